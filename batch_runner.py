@@ -1,0 +1,520 @@
+"""Run a tool-using LLM agent over a JSONL dataset of prompts and write ShareGPT trajectories.
+
+    python batch_runner.py --dataset_file=data/example_prompts.jsonl --run_name=demo --base_url=http://127.0.0.1:8000/v1
+
+The flow is one way: dataset -> plan -> workers -> results -> this process, the single writer
+of the run directory -> merge -> statistics. See README.md for every flag and file.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+import fire
+import orjson
+
+import model_tools
+from toolset_distributions import TOOLSETS, get_distribution, sample_toolsets
+from trajgen import console, dataset, merge, store
+from trajgen.errors import FatalAPIError, ImageUnavailable, UsageError
+from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup
+from trajgen.work import ModelSettings, Result, Task, WorkerConfig
+from trajgen.workers import ProcessPool, worker_share
+
+DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a capable assistant with access to tools. Think step by step, use the tools when they "
+    "help, check your work, and end with a clear final answer."
+)
+SANDBOX_TOOLSETS = ("terminal", "file")
+SETTINGS_THAT_MATTER = ("model", "base_url", "distribution", "max_turns", "temperature", "top_p", "max_tokens",
+                        "seed", "require_reasoning", "system_prompt")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def as_list(value) -> list[str]:
+    """A list flag given as `a,b` (Fire makes that a tuple), as a string, or as a list."""
+    if value is None or value is False:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+
+
+@dataclass
+class Plan:
+    """The prompts this invocation will run, counted before the first request."""
+
+    remaining: int
+    first_batch: int
+    sampled: Counter
+    images: Counter  # image -> prompts that will open a container with it
+    rows_with_image: int
+
+
+def main(
+    dataset_file: str | None = None,
+    run_name: str | None = None,
+    batch_size: int = 10,
+    model: str = "anthropic/claude-sonnet-4.6",
+    base_url: str = DEFAULT_BASE_URL,
+    api_key: str | None = None,
+    num_workers: int = 4,
+    concurrency: int = 32,
+    distribution: str = "default",
+    max_turns: int = 10,
+    resume: bool = False,
+    overwrite: bool = False,
+    force: bool = False,
+    list_distributions: bool = False,
+    verbose: bool = False,
+    output_dir: str = "data",
+    max_samples: int | None = None,
+    skip_invalid: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    max_retries: int = 5,
+    request_timeout: float = 600.0,
+    prompt_timeout: float | None = None,
+    require_reasoning: bool = True,
+    keep_hallucinated: bool = False,
+    providers_allowed=None,
+    providers_ignored=None,
+    providers_order=None,
+    provider_sort: str | None = None,
+    reasoning_effort: str | None = None,
+    reasoning_disabled: bool = False,
+    ephemeral_system_prompt: str = "",
+    prefill_messages_file: str | None = None,
+    terminal_backend: str | None = None,
+    command_timeout: float = 180.0,
+    docker_image: str = "python:3.11-slim",
+    sandbox_network: bool = False,
+    keep_sandboxes: bool = False,
+    unsafe_local: bool = False,
+):
+    """Run a tool-using agent over every prompt of a JSONL dataset and write trajectories.
+
+    Args:
+        dataset_file: JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd").
+        run_name: Name of the run; output goes to <output_dir>/<run_name>/.
+        batch_size: Consecutive prompts per batch_<N>.jsonl file.
+        model: Model name sent to the endpoint.
+        base_url: OpenAI-compatible endpoint (default OpenRouter).
+        api_key: API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers).
+        num_workers: Worker processes.
+        concurrency: Conversations in flight across all workers.
+        distribution: Toolset distribution sampled per prompt (see --list_distributions).
+        max_turns: API calls with tools per prompt before one last call asks for a final answer.
+        resume: Continue an existing run: run only prompts without a final record.
+        overwrite: Delete an existing run directory of that name and start again.
+        force: With --resume, accept a changed model, distribution or sampling settings.
+        list_distributions: Print the toolset distributions and exit.
+        verbose: Print worker logs (tracebacks of failed prompts).
+        output_dir: Parent directory of run directories.
+        max_samples: Run only the first N valid prompts.
+        skip_invalid: Run without the dataset's bad lines (they are counted) instead of refusing.
+        temperature: Sampling temperature.
+        top_p: Nucleus sampling.
+        max_tokens: Max tokens per completion.
+        seed: Seed of the per-prompt toolset sampling.
+        max_retries: Retries per API call (429 and 503 honour Retry-After; 5xx, timeouts, connection errors).
+        request_timeout: Seconds per API request.
+        prompt_timeout: Wall-clock seconds per prompt; past it the prompt fails (resume retries it).
+        require_reasoning: Discard samples in which no assistant turn has reasoning.
+        keep_hallucinated: Keep rows that call a tool that was not offered in trajectories.jsonl.
+        providers_allowed: OpenRouter: only these providers (comma list).
+        providers_ignored: OpenRouter: never these providers (comma list).
+        providers_order: OpenRouter: try providers in this order (comma list).
+        provider_sort: OpenRouter: sort providers by price, throughput or latency.
+        reasoning_effort: none, minimal, low, medium, high or xhigh.
+        reasoning_disabled: OpenRouter: ask for no reasoning.
+        ephemeral_system_prompt: Appended to the system prompt at run time, never written to trajectories.
+        prefill_messages_file: JSON list of {role, content} messages sent before the prompt, not written.
+        terminal_backend: Sandbox backend, local (bubblewrap) or docker (default env TERMINAL_ENV, else local).
+        command_timeout: Default seconds per terminal command; the command's whole process tree is killed then.
+        docker_image: Image for prompts that name none (docker backend).
+        sandbox_network: Give sandboxes network access (off by default).
+        keep_sandboxes: Keep per-prompt sandboxes after the run, for debugging.
+        unsafe_local: Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).
+    """
+    if list_distributions:
+        console.out.print(console.distributions_table())
+        return
+    options = dict(locals())
+    try:
+        code = run(**options)
+    except UsageError as e:
+        console.error(str(e))
+        sys.exit(2)
+    except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
+        if os.environ.get("TRAJGEN_DEBUG"):
+            raise
+        console.error(f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    sys.exit(code)
+
+
+def _check_number(name: str, value, minimum, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise UsageError(f"--{name} must be a number >= {minimum}, got {value!r}")
+
+
+def _extra_body(base_url: str, opts: dict) -> tuple[dict, str | None, list[str]]:
+    """Provider routing and reasoning controls: (extra_body, reasoning_effort parameter, what will be sent)."""
+    body: dict = {}
+    said: list[str] = []
+    openrouter = "openrouter.ai" in base_url
+    provider = {k: v for k, v in {
+        "only": as_list(opts["providers_allowed"]), "ignore": as_list(opts["providers_ignored"]),
+        "order": as_list(opts["providers_order"]), "sort": opts["provider_sort"]}.items() if v}
+    effort = opts["reasoning_effort"]
+    if provider:
+        body["provider"] = provider
+        said.append(f"provider routing {provider}" + ("" if openrouter else " (an OpenRouter field; this endpoint may ignore it)"))
+    if openrouter and (effort or opts["reasoning_disabled"]):
+        body["reasoning"] = {"enabled": False} if opts["reasoning_disabled"] else {"effort": effort}
+        said.append(f"OpenRouter reasoning {body['reasoning']}")
+        effort = None
+    elif opts["reasoning_disabled"]:
+        effort = "none"
+    if effort:
+        said.append(f"reasoning_effort={effort}")
+    return body, effort, said
+
+
+def _prefill(path: str | None) -> list[dict]:
+    if not path:
+        return []
+    try:
+        messages = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
+        raise UsageError(f"--prefill_messages_file {path}: {e}")
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise UsageError(f"--prefill_messages_file {path}: must be a JSON list of {{role, content}} messages")
+    return messages
+
+
+def _tasks(path: str, check: dataset.DatasetCheck, done: set[str], opts: dict, first_batch: int) -> Iterator[Task]:
+    """The plan: every prompt without a final record, in dataset order, in consecutive batches."""
+    dist = get_distribution(opts["distribution"])
+    unavailable = model_tools.unavailable_toolsets(list(TOOLSETS))
+    n = 0
+    for entry in dataset.entries(path, check.duplicates, opts["max_samples"]):
+        if entry.key in done:
+            continue
+        sampled = sample_toolsets(dist, opts["seed"], entry.key)
+        extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
+        yield Task(entry.key, entry.index, first_batch + n // opts["batch_size"], entry.prompt, entry.image, entry.cwd,
+                   extra, sampled, [t for t in sampled if t not in unavailable])
+        n += 1
+
+
+def _count(tasks: Iterator[Task], first_batch: int, docker_image: str | None) -> Plan:
+    plan = Plan(0, first_batch, Counter(), Counter(), 0)
+    for task in tasks:
+        plan.remaining += 1
+        plan.sampled.update(task.toolsets_sampled)
+        plan.rows_with_image += task.image is not None
+        if docker_image and any(t in SANDBOX_TOOLSETS for t in task.toolsets_offered):
+            plan.images[task.image or docker_image] += 1
+    return plan
+
+
+def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
+    """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
+    exists = run_dir.exists() and any(run_dir.iterdir())
+    if exists and not opts["resume"] and not opts["overwrite"]:
+        raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
+    if not exists or opts["overwrite"]:
+        return store.Scan()
+    manifest_path = run_dir / "manifest.json"
+    if manifest_path.exists():
+        old = store.read_json(manifest_path)
+        changed = [f"{k}: {old.get(k)!r} -> {manifest.get(k)!r}" for k in SETTINGS_THAT_MATTER if old.get(k) != manifest.get(k)]
+        if changed and not opts["force"]:
+            raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
+    return store.scan(run_dir)
+
+
+def run(**opts) -> int:
+    started = time.monotonic()
+    if not opts["dataset_file"]:
+        raise UsageError("--dataset_file is required")
+    if opts["run_name"] is None or str(opts["run_name"]).strip() in ("", ".", ".."):
+        raise UsageError("--run_name is required")
+    opts["run_name"] = str(opts["run_name"])
+    if "/" in opts["run_name"]:
+        raise UsageError("--run_name must not contain '/'")
+    for name, minimum in (("batch_size", 1), ("num_workers", 1), ("concurrency", 1), ("max_turns", 1),
+                          ("max_retries", 0), ("request_timeout", 0.001), ("command_timeout", 1)):
+        _check_number(name, opts[name], minimum)
+    for name in ("max_samples", "prompt_timeout", "max_tokens"):
+        _check_number(name, opts[name], 1, allow_none=True)
+    try:
+        get_distribution(opts["distribution"])
+    except KeyError as e:
+        raise UsageError(e.args[0])
+    backend = opts["terminal_backend"] or os.environ.get("TERMINAL_ENV") or "local"
+    if backend not in ("local", "docker"):
+        raise UsageError(f"--terminal_backend must be local or docker, got {backend!r}")
+    if opts["provider_sort"] not in (None, "price", "throughput", "latency"):
+        raise UsageError("--provider_sort must be price, throughput or latency")
+    if opts["reasoning_effort"] not in (None, *REASONING_EFFORTS):
+        raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
+    path = str(opts["dataset_file"])
+    if not os.path.isfile(path):
+        raise UsageError(f"--dataset_file {path}: no such file")
+    api_key = opts["api_key"] or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if not api_key:
+        if opts["base_url"] == DEFAULT_BASE_URL:
+            raise UsageError("no API key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or pass --api_key")
+        api_key = "none"  # local servers take any key
+    prefill = _prefill(opts["prefill_messages_file"])
+    extra_body, effort, routing = _extra_body(opts["base_url"], opts)
+
+    check = dataset.check(path, opts["max_samples"])
+    if check.error_count:
+        shown = "\n  ".join(check.errors)
+        more = f"\n  ... and {check.error_count - len(check.errors)} more" if check.error_count > len(check.errors) else ""
+        if not opts["skip_invalid"]:
+            raise UsageError(f"{check.error_count} bad line(s) in the dataset, nothing was run "
+                             f"(--skip_invalid runs without them):\n  {shown}{more}")
+        console.notice(f"skipping {check.error_count} bad line(s):\n  {shown}{more}")
+    if check.valid == 0:
+        raise UsageError(f"{path}: no prompts to run")
+
+    run_dir = Path(opts["output_dir"]) / opts["run_name"]
+    manifest = {
+        "format_version": 1, "run_name": opts["run_name"], "model": opts["model"], "base_url": opts["base_url"],
+        "distribution": opts["distribution"], "max_turns": opts["max_turns"], "temperature": opts["temperature"],
+        "top_p": opts["top_p"], "max_tokens": opts["max_tokens"], "seed": opts["seed"],
+        "require_reasoning": opts["require_reasoning"], "system_prompt": DEFAULT_SYSTEM_PROMPT,
+        "terminal_backend": backend, "batch_size": opts["batch_size"],
+        "dataset": {"path": path, "fingerprint": check.fingerprint, "prompts": check.valid,
+                    "invalid_lines_skipped": check.error_count},
+    }
+    scan = _prepare_run_dir(run_dir, opts, manifest)
+    if scan.torn:
+        console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
+    tasks = lambda: _tasks(path, check, scan.done, opts, scan.next_batch)  # noqa: E731 (streamed twice)
+    plan = _count(tasks(), scan.next_batch, opts["docker_image"] if backend == "docker" else None)
+
+    unavailable = model_tools.unavailable_toolsets(list(plan.sampled))
+    for toolset, reason in unavailable.items():
+        console.notice(f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s), "
+                       "which run without it")
+    if backend == "local" and plan.rows_with_image:
+        console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
+                       "under the local backend they run in the local sandbox")
+    needs_sandbox = any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
+    if backend == "local" and needs_sandbox and (problem := bwrap_problem()):
+        if not opts["unsafe_local"]:
+            raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
+                             "or pass --unsafe_local for weaker, directory-only isolation")
+        console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+    for line in routing:
+        console.notice(f"sending {line}")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if opts["overwrite"]:
+        for child in run_dir.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    sandbox = SandboxConfig(
+        backend=backend, command_timeout=float(opts["command_timeout"]), docker_image=opts["docker_image"],
+        network=bool(opts["sandbox_network"]), keep=bool(opts["keep_sandboxes"]), unsafe_local=bool(opts["unsafe_local"]),
+        root_dir=tempfile.mkdtemp(prefix="trajgen-sandboxes-"), label=uuid.uuid4().hex[:12],
+    )
+    missing_images: dict[str, str] = {}
+    if backend == "docker" and plan.images:
+        found = asyncio.run(check_images(list(plan.images), sandbox))
+        missing_images = {image: reason for image, reason in found.items() if reason}
+        for image, reason in missing_images.items():
+            console.notice(f"image {image} is unavailable ({reason}); its {plan.images[image]} prompt(s) fail and "
+                           "--resume retries them")
+    old_checkpoint = run_dir / "checkpoint.json"
+    previous = store.read_json(old_checkpoint).get("duration_seconds_total", 0.0) if old_checkpoint.exists() else 0.0
+    store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": _now()})
+
+    model = ModelSettings(
+        model=opts["model"], base_url=opts["base_url"], api_key=api_key, max_turns=opts["max_turns"],
+        temperature=opts["temperature"], top_p=opts["top_p"], max_tokens=opts["max_tokens"],
+        max_retries=opts["max_retries"], request_timeout=float(opts["request_timeout"]),
+        prompt_timeout=opts["prompt_timeout"], extra_body=extra_body, reasoning_effort=effort,
+        system_prompt=DEFAULT_SYSTEM_PROMPT, ephemeral_system_prompt=opts["ephemeral_system_prompt"],
+        prefill_messages=prefill,
+    )
+    config = WorkerConfig(model, sandbox, worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
+    try:
+        outcome = _execute(tasks(), plan, config, opts, run_dir, missing_images, previous, started)
+    finally:
+        cleanup(sandbox) if not sandbox.keep else None
+
+    merged = merge.merge(run_dir, opts["keep_hallucinated"])
+    stats = merge.statistics(merged, {
+        "run_name": opts["run_name"], "model": opts["model"], "distribution": opts["distribution"],
+        "total_prompts": check.valid, "batch_size": opts["batch_size"],
+        "remaining_not_run": outcome.not_run, "invalid_lines_skipped": check.error_count,
+        "duration_seconds": round(time.monotonic() - started, 3),
+        "duration_seconds_total": round(previous + time.monotonic() - started, 3),
+    })
+    store.write_json(run_dir / "statistics.json", stats)
+    console.summary(stats)
+    if outcome.fatal:
+        console.error(f"the endpoint refused the run: {outcome.fatal}. Fix it, then resume:\n  {_resume_command()}")
+        return 1
+    if outcome.interrupted:
+        console.err.print(f"interrupted; resume with:\n  {_resume_command()}")
+        return 130
+    return 1 if outcome.failed else 0
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _resume_command() -> str:
+    args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
+    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+
+
+@dataclass
+class Outcome:
+    failed: int = 0
+    not_run: int = 0
+    interrupted: bool = False
+    fatal: str | None = None
+
+
+class _Signals:
+    """First Ctrl-C/SIGTERM: stop cleanly. Second: leave at once (files are consistent at every moment)."""
+
+    def __init__(self, on_second):
+        self.count = 0
+        self.on_second = on_second
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            self.on_second()
+
+
+def _execute(tasks: Iterator[Task], plan: Plan, config: WorkerConfig, opts: dict, run_dir: Path,
+             missing_images: dict[str, str], previous: float, started: float) -> Outcome:
+    """Schedule prompts one at a time, write every result as it arrives, checkpoint as batches end."""
+    outcome = Outcome()
+    writer = store.Writer(run_dir)
+    pool = ProcessPool(min(opts["num_workers"], max(1, plan.remaining)), config)
+    counts = Counter()
+    size = opts["batch_size"]
+    left = {plan.first_batch + i: min(size, plan.remaining - i * size) for i in range(0, -(-plan.remaining // size))}
+    window = float(opts["concurrency"])  # conversations admitted; halves on 429, grows back per completion
+    last_throttle = 0.0
+
+    def checkpoint() -> None:
+        store.write_json(run_dir / "checkpoint.json", {
+            "run_name": opts["run_name"], "updated_at": _now(), "next_batch": plan.first_batch + len(left),
+            "batches_open": sorted(b for b, n in left.items() if n), "counts_this_invocation": dict(counts),
+            "remaining_this_invocation": plan.remaining - sum(counts.values()),
+            "duration_seconds_total": round(previous + time.monotonic() - started, 3),
+        })
+
+    def record(result: Result) -> None:
+        if result.row is not None:
+            if opts["require_reasoning"] and not result.row["metadata"]["turns_with_reasoning"]:
+                writer.discarded({"prompt_key": result.key, "prompt_index": result.prompt_index,
+                                  "batch_num": result.batch_num, "reason": "no_reasoning", "row": result.row})
+                counts["discarded"] += 1
+            else:
+                writer.row(result.batch_num, result.row)
+                counts["ok"] += 1
+        else:
+            writer.failed({"prompt_key": result.key, "prompt_index": result.prompt_index, "batch_num": result.batch_num,
+                           "error_class": result.error_class, "message": result.message, "time": _now()})
+            counts["failed"] += 1
+            if opts["verbose"]:
+                console.err.print(f"prompt {result.prompt_index} failed: {result.error_class}: {result.message}")
+        left[result.batch_num] -= 1
+        if left[result.batch_num] == 0:
+            writer.end_batch(result.batch_num)
+            checkpoint()
+
+    def leave_now() -> None:
+        for w in pool.workers:
+            w.process.kill()
+        writer.close()
+        cleanup(config.sandbox)
+        console.err.print(f"\nstopped at once; resume with:\n  {_resume_command()}")
+        os._exit(130)
+
+    signals = _Signals(leave_now)
+    pool.start()
+    pending = iter(tasks)
+    exhausted = False
+    progress = console.progress_bar()
+    bar = progress.add_task("prompts", total=plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
+    try:
+        with progress:
+            while True:
+                stopping = signals.count > 0 or outcome.fatal is not None
+                while not stopping and not exhausted and pool.inflight < int(window):
+                    task = next(pending, None)
+                    if task is None:
+                        exhausted = True
+                    elif task.image in missing_images and set(task.toolsets_offered) & set(SANDBOX_TOOLSETS):
+                        record(Result(task.key, task.prompt_index, task.batch_num, error_class=ImageUnavailable.__name__,
+                                      message=f"image {task.image}: {missing_images[task.image]}"))
+                    else:
+                        pool.submit(task)
+                if stopping or (exhausted and pool.inflight == 0):
+                    break
+                for message in pool.poll(0.2):
+                    kind = message[0]
+                    if kind == "result":
+                        record(message[1])
+                        window = min(float(opts["concurrency"]), window + 1)
+                    elif kind == "throttle" and time.monotonic() - last_throttle > 2.0:
+                        window, last_throttle = max(1.0, window / 2), time.monotonic()
+                    elif kind == "fatal":
+                        outcome.fatal = outcome.fatal or message[1]
+                    elif kind == "log":
+                        console.err.print(message[1])
+                done = sum(counts.values())
+                progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - started), **counts)
+            if pool.inflight:
+                for message in pool.cancel():
+                    if message[0] == "result":
+                        record(message[1])
+    finally:
+        pool.close()
+        writer.close()
+        checkpoint()
+    outcome.interrupted = signals.count > 0
+    outcome.failed = counts["failed"]
+    outcome.not_run = plan.remaining - sum(counts.values())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return outcome
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

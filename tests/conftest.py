@@ -1,0 +1,79 @@
+"""Shared test helpers: run the real CLI as a subprocess against the loopback scripted server.
+
+Nothing here is mocked: the model is `tests/scripted_server.py` on 127.0.0.1, the sandboxes
+are real. Every run's output and HOME live under the test's tmp_path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripted_server import scripted_server  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET_ENV = ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")
+
+
+def think(text: str = "thinking") -> dict:
+    """A final reply with reasoning, so the sample is kept under the default --require_reasoning."""
+    return {"content": text, "reasoning": "let me think"}
+
+
+def call(name: str, reasoning: str = "I need a tool", **arguments) -> dict:
+    return {"tool_calls": [{"name": name, "arguments": arguments}], "reasoning": reasoning}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class CLI:
+    """`python batch_runner.py ...` in tmp_path, with a clean environment."""
+
+    def __init__(self, tmp_path: Path):
+        self.cwd = tmp_path
+        self.env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        self.env["HOME"] = str(tmp_path / "home")
+        (tmp_path / "home").mkdir(exist_ok=True)
+
+    def args(self, server, run_name: str = "run", **flags) -> list[str]:
+        base = {"dataset_file": "prompts.jsonl", "run_name": run_name, "base_url": server.url, "api_key": "dummy-key",
+                "model": "test-model", "num_workers": 2, "concurrency": 8, "distribution": "terminal_only",
+                "max_retries": 1}
+        base.update(flags)
+        return [f"--{k}={v}" if v is not True else f"--{k}" for k, v in base.items() if v is not None]
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, str(ROOT / "batch_runner.py"), *args]
+
+    def run(self, *args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(*args), cwd=self.cwd, env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(self.command(*args), cwd=self.cwd, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def run_dir(self, run_name: str = "run") -> Path:
+        return self.cwd / "data" / run_name
+
+
+@pytest.fixture
+def cli(tmp_path) -> CLI:
+    return CLI(tmp_path)
+
+
+def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    os.killpg(process.pid, sig)
+    process.wait(timeout=60)

@@ -1,0 +1,121 @@
+"""A Docker engine and a busybox test image for the docker sandbox tests.
+
+Use the engine DOCKER_HOST points at if it answers; otherwise start a private dockerd that
+never touches the host network (no bridge, no iptables) and stop it at the end. No registry is
+reachable here, so the test image is imported from the busybox-static package, not pulled.
+Test modules load this as a plugin (`pytest_plugins = ["tests.dockerd"]`) so the engine is
+started once per session however many modules use it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+IMAGE = "trajgen-test-busybox:latest"
+BUSYBOX = "/usr/bin/busybox"  # from busybox-static: no shared libraries needed inside the image
+
+
+def _answers(host: str) -> bool:
+    try:
+        return subprocess.run(["docker", "-H", host, "info"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _start_dockerd(tmp: str) -> tuple[subprocess.Popen | None, str]:
+    """(the dockerd process, its DOCKER_HOST), or (None, why it could not start)."""
+    if shutil.which("dockerd") is None or shutil.which("docker") is None:
+        return None, "dockerd/docker are not installed"
+    if os.geteuid() != 0:
+        return None, "starting dockerd needs root"
+    host = f"unix://{tmp}/docker.sock"
+    log = open(f"{tmp}/dockerd.log", "wb")
+    proc = subprocess.Popen(
+        ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", "--data-root", f"{tmp}/data",
+         "--exec-root", f"{tmp}/exec", "--pidfile", f"{tmp}/pid", "--host", host],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _answers(host):
+            return proc, host
+        time.sleep(0.5)
+    if proc.poll() is None:
+        _stop(proc)
+    lines = Path(f"{tmp}/dockerd.log").read_text(errors="replace").strip().splitlines()
+    return None, "dockerd did not start: " + (lines[-1] if lines else "no log output")
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[str]:
+    """The DOCKER_HOST of a working engine (also set in os.environ for the session), or a skip."""
+    existing = os.environ.get("DOCKER_HOST")
+    if existing and _answers(existing):
+        yield existing
+        return
+    tmp = tempfile.mkdtemp(prefix="trajgen-dockerd-", dir="/tmp")  # short: socket paths are limited
+    proc, host = _start_dockerd(tmp)
+    if proc is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.skip(f"no Docker engine: {host}")
+    os.environ["DOCKER_HOST"] = host
+    try:
+        yield host
+    finally:
+        _stop(proc)
+        if existing is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = existing
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _busybox_rootfs(root: Path) -> None:
+    """bin/ with busybox and a symlink per applet (what `busybox --install -s` makes), plus /tmp and /etc."""
+    (root / "bin").mkdir()
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in applets:
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "tmp").mkdir(mode=0o1777)
+    (root / "tmp").chmod(0o1777)
+    (root / "etc").mkdir()
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+
+
+@pytest.fixture(scope="session")
+def busybox_image(docker_engine: str) -> str:
+    """The tag of a tiny busybox image (sh, no bash, no python), imported into the engine once."""
+    if subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0:
+        return IMAGE
+    if not os.path.exists(BUSYBOX):
+        pytest.skip(f"{BUSYBOX} is missing (install busybox-static)")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "rootfs"
+        root.mkdir()
+        _busybox_rootfs(root)
+        with tarfile.open(Path(tmp) / "rootfs.tar", "w") as tar:
+            tar.add(root, arcname=".")
+        subprocess.run(["docker", "import", str(Path(tmp) / "rootfs.tar"), IMAGE], capture_output=True, check=True)
+    return IMAGE

@@ -1,0 +1,741 @@
+"""Scripted OpenAI-compatible chat-completions server for tests and benchmarks.
+
+It serves canned replies chosen per conversation, so an agent runner can be
+exercised end to end (tool calls, reasoning fields, errors, retries, latency)
+without a real model. Binds 127.0.0.1 only; stdlib asyncio plus orjson if present.
+
+Endpoints
+---------
+``POST /v1/chat/completions`` (also ``/chat/completions``), ``GET /v1/models``
+(also ``/models``), ``POST /_script`` (replace the script; resets ``times``
+counters), ``GET /_stats`` -> ``{"requests": n, "by_status": {"200": n, ...}}``.
+Anything else answers 404 with an OpenAI-style error body. Only chat-completion
+requests are counted in ``/_stats`` and written to the log.
+
+Script format (a dict, or a JSON file holding one)
+--------------------------------------------------
+::
+
+    {
+      "latency": 0.0,              # seconds to wait before every answer
+      "default": [<reply>, ...],   # prompts not listed (absent: [{"content": "ok"}])
+      "prompts": {"<prompt text>": [<reply>, ...]},          # exact match first
+      "match": [{"contains": "<substring>", "replies": [<reply>, ...]}]  # then in order
+    }
+
+A conversation is identified by the text of the FIRST ``user`` message (a string,
+or a list of content parts whose ``text`` values are joined with ``"\\n"``).
+The turn is the number of ``assistant`` messages in the request; turn ``i`` is
+answered by ``replies[min(i, len(replies) - 1)]``.
+
+A reply is a dict with any of:
+
+- ``content`` (str, default ``""``; sent as null when there are tool calls and no content)
+- ``tool_calls``: ``[{"name": str, "arguments": <object or raw string>, "id"?: str}]``;
+  missing ids become ``call_<n>`` (n counts up per server), object arguments are
+  JSON-encoded with ``json.dumps``.
+- ``reasoning``, ``reasoning_content`` (str) and ``reasoning_details`` (list):
+  copied into the message under those keys.
+- ``usage`` (dict merged over ``{"prompt_tokens": 10, "completion_tokens": 5,
+  "total_tokens": 15}``; total is recomputed unless given; may carry ``cost`` and
+  ``completion_tokens_details``).
+- ``finish_reason`` (default ``"tool_calls"`` with tool calls, else ``"stop"``).
+- ``delay``: extra seconds for this reply, on top of ``latency``.
+- ``echo_tools``: content becomes a JSON list of the tool names in the request.
+- ``status``: answer with this HTTP error instead, body
+  ``{"error": {"message": error, "type": ..., "code": status}}``; ``error`` is the
+  message, ``retry_after`` sets a ``Retry-After`` header. With ``times: N`` the
+  error is served for the first N requests of that (prompt, turn) and later
+  requests get the ``then`` reply (a normal reply) or ``{"content": "ok"}``.
+  Without ``times`` the error is served every time.
+
+Log (``log_path`` / ``--log``): one JSON line per chat request, flushed before the
+answer is sent: ``{"t", "prompt", "turn", "body", "status", "auth"}``.
+
+Use
+---
+In process: ``handle = start_server(script, log_path=None, port=0)`` then
+``handle.url`` (``http://127.0.0.1:PORT/v1``), ``handle.set_script(d)``,
+``handle.requests()``, ``handle.stats()``, ``handle.stop()``. In pytest, import the
+``scripted_server`` fixture: ``factory(script, log_path=None) -> ServerHandle``.
+
+As a process: ``python -m tests.scripted_server --script FILE.json [--log FILE]
+[--port 0] [--latency 0.25]`` prints ``READY http://127.0.0.1:PORT/v1`` once it
+listens and serves until SIGTERM/SIGINT. ``--latency`` overrides the file's value
+(a script later posted to ``/_script`` brings its own latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - orjson is optional
+    orjson = None
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - only the fixture needs pytest
+    pytest = None
+
+HOST = "127.0.0.1"
+MODEL_ID = "scripted-model"
+DEFAULT_USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+FALLBACK_REPLY: dict[str, Any] = {"content": "ok"}
+STREAM_LIMIT = 1 << 20  # max header block size; bodies are read separately
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "insufficient_quota",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    422: "unprocessable_entity_error",
+    429: "rate_limit_error",
+}
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+# --------------------------------------------------------------------------- json
+
+
+def dumps(obj: Any) -> bytes:
+    """Encode compactly; orjson when available because it is much faster."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except TypeError:  # e.g. integers beyond 64 bits
+            pass
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """Decode JSON; falls back to the stdlib for inputs orjson refuses (big ints)."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
+# ------------------------------------------------------------------ script logic
+
+
+def normalize_script(script: Any) -> dict[str, Any]:
+    """Validate the top-level shape early so a bad script fails at load, not mid-test."""
+    if not isinstance(script, dict):
+        raise ValueError("script must be a JSON object")
+    prompts = script.get("prompts") or {}
+    match = script.get("match") or []
+    if not isinstance(prompts, dict):
+        raise ValueError("script.prompts must be an object")
+    if not isinstance(match, list) or not all(isinstance(m, dict) for m in match):
+        raise ValueError("script.match must be a list of objects")
+    return {
+        "latency": float(script.get("latency") or 0.0),
+        "default": _reply_list(script.get("default")) or [FALLBACK_REPLY],
+        "prompts": {str(k): _reply_list(v) for k, v in prompts.items()},
+        "match": [
+            {"contains": str(m.get("contains", "")), "replies": _reply_list(m.get("replies"))}
+            for m in match
+        ],
+    }
+
+
+def _reply_list(value: Any) -> list[dict[str, Any]]:
+    """Accept a single reply dict as shorthand for a one-element list."""
+    if value is None:
+        return []
+    if isinstance(value, dict):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
+        raise ValueError(f"replies must be a list of objects, got {value!r}")
+    return value
+
+
+def message_text(content: Any) -> str:
+    """Text of a message content: a string, or the joined text parts of a list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+        return "\n".join(parts)
+    return ""
+
+
+def conversation_key(body: dict[str, Any]) -> tuple[str | None, int]:
+    """(first user text, assistant-message count): what selects the scripted reply."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None, 0
+    prompt: str | None = None
+    turn = 0
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role == "user" and prompt is None:
+            prompt = message_text(msg.get("content"))
+        elif role == "assistant":
+            turn += 1
+    return prompt, turn
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    """OpenAI-shaped error body, so SDK exception mapping works as with the real API."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "api_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+@dataclass
+class Outcome:
+    """What to answer to one request, decided before any waiting."""
+
+    status: int
+    payload: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+class ScriptedBackend:
+    """Request -> reply logic plus log and stats; shared by both run modes.
+
+    All mutable state sits behind one lock because ``set_script`` is called from the
+    test thread while the event loop thread serves requests.
+    """
+
+    def __init__(
+        self, script: dict[str, Any], log_path: str | os.PathLike[str] | None = None,
+        keep_in_memory: bool = True,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._script = normalize_script(script)
+        self._times: dict[tuple[str | None, int], int] = {}
+        self._call_ids = itertools.count(1)
+        self._completion_ids = itertools.count(1)
+        self._total = 0
+        self._by_status: dict[str, int] = {}
+        self.log_path = os.fspath(log_path) if log_path else None
+        self._log_file = open(self.log_path, "ab") if self.log_path else None
+        self._memory: list[dict[str, Any]] | None = (
+            [] if keep_in_memory and self._log_file is None else None
+        )
+
+    # -- control ----------------------------------------------------------------
+
+    def set_script(self, script: dict[str, Any]) -> None:
+        """Swap the script and reset ``times`` counters (a "healed" server starts fresh)."""
+        normalized = normalize_script(script)
+        with self._lock:
+            self._script = normalized
+            self._times.clear()
+
+    def set_latency(self, latency: float) -> None:
+        with self._lock:
+            self._script["latency"] = float(latency)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"requests": self._total, "by_status": dict(self._by_status)}
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Logged requests: parsed from the log file, else the in-memory copy."""
+        if self.log_path:
+            return list(read_log(self.log_path))
+        with self._lock:
+            return list(self._memory or [])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    # -- serving ----------------------------------------------------------------
+
+    def handle_chat(self, raw_body: bytes, auth: str | None) -> Outcome:
+        """Decide the answer for one chat-completions request, log it, count it."""
+        arrived = time.time()
+        try:
+            body = loads(raw_body) if raw_body else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            outcome = Outcome(400, error_payload(400, "request body must be a JSON object"))
+            self._record(arrived, None, 0, body, outcome.status, auth)
+            return outcome
+        prompt, turn = conversation_key(body)
+        with self._lock:
+            reply = self._pick_reply(prompt, turn)
+            latency = self._script["latency"]
+        outcome = self._build(reply, body)
+        outcome.delay += latency
+        self._record(arrived, prompt, turn, body, outcome.status, auth)
+        return outcome
+
+    def _pick_reply(self, prompt: str | None, turn: int) -> dict[str, Any]:
+        """Script lookup plus the ``times`` rule; caller holds the lock."""
+        replies = self._replies_for(prompt)
+        reply = replies[min(turn, len(replies) - 1)]
+        if "status" in reply and "times" in reply:
+            key = (prompt, turn)
+            seen = self._times.get(key, 0)
+            self._times[key] = seen + 1
+            if seen >= int(reply["times"]):
+                then = reply.get("then")
+                return then if isinstance(then, dict) else FALLBACK_REPLY
+        return reply
+
+    def _replies_for(self, prompt: str | None) -> list[dict[str, Any]]:
+        script = self._script
+        if prompt is not None:
+            exact = script["prompts"].get(prompt)
+            if exact:
+                return exact
+            for entry in script["match"]:
+                if entry["replies"] and entry["contains"] in prompt:
+                    return entry["replies"]
+        return script["default"]
+
+    def _build(self, reply: dict[str, Any], body: dict[str, Any]) -> Outcome:
+        delay = float(reply.get("delay") or 0.0)
+        if "status" in reply:
+            status = int(reply["status"])
+            message = str(reply.get("error") or f"scripted error {status}")
+            headers = {}
+            if reply.get("retry_after") is not None:
+                headers["Retry-After"] = str(reply["retry_after"])
+            return Outcome(status, error_payload(status, message), headers, delay)
+        return Outcome(200, self._completion(reply, body), {}, delay)
+
+    def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        """A ``chat.completion`` object as the OpenAI API would send it."""
+        tool_calls = [self._tool_call(tc) for tc in reply.get("tool_calls") or []]
+        content: str | None = reply.get("content", "")
+        if reply.get("echo_tools"):
+            content = json.dumps(offered_tool_names(body))
+        if tool_calls and not content:
+            content = None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        for key in ("reasoning", "reasoning_content", "reasoning_details"):
+            if key in reply:
+                message[key] = reply[key]
+        finish = reply.get("finish_reason") or ("tool_calls" if tool_calls else "stop")
+        return {
+            "id": f"chatcmpl-scripted-{next(self._completion_ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL_ID,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": make_usage(reply.get("usage")),
+        }
+
+    def _tool_call(self, spec: dict[str, Any]) -> dict[str, Any]:
+        arguments = spec.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        call_id = spec.get("id") or f"call_{next(self._call_ids)}"
+        return {"id": call_id, "type": "function",
+                "function": {"name": spec.get("name", ""), "arguments": arguments}}
+
+    def _record(self, t: float, prompt: str | None, turn: int, body: Any, status: int,
+                auth: str | None) -> None:
+        """Count and log before answering, so a client that got a reply sees its entry."""
+        entry = {"t": t, "prompt": prompt, "turn": turn, "body": body,
+                 "status": status, "auth": auth}
+        with self._lock:
+            self._total += 1
+            self._by_status[str(status)] = self._by_status.get(str(status), 0) + 1
+            if self._log_file is not None:
+                self._log_file.write(dumps(entry) + b"\n")
+                self._log_file.flush()
+            elif self._memory is not None:
+                self._memory.append(entry)
+
+
+def make_usage(usage: Any) -> dict[str, Any]:
+    """Merge over defaults; recompute the total unless the script pins it."""
+    if not isinstance(usage, dict):
+        return dict(DEFAULT_USAGE)
+    merged = {**DEFAULT_USAGE, **usage}
+    if "total_tokens" not in usage:
+        merged["total_tokens"] = merged["prompt_tokens"] + merged["completion_tokens"]
+    return merged
+
+
+def offered_tool_names(body: dict[str, Any]) -> list[str]:
+    names = []
+    for tool in body.get("tools") or []:
+        if isinstance(tool, dict):
+            fn = tool.get("function")
+            names.append((fn or {}).get("name") if isinstance(fn, dict) else tool.get("name"))
+    return names
+
+
+def read_log(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Parse a request log, skipping a possibly half-written last line."""
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.strip():
+                    try:
+                        yield loads(line)
+                    except ValueError:
+                        continue
+    except FileNotFoundError:
+        return
+
+
+def load_script(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, "rb") as fh:
+        return loads(fh.read())
+
+
+# ---------------------------------------------------------------------- HTTP layer
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+class BadRequest(Exception):
+    """Malformed HTTP; answered with 400 and the connection is closed."""
+
+
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """Read one HTTP/1.1 request; None on a clean EOF between requests."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial.strip():
+            raise BadRequest("truncated request head") from None
+        return None
+    except asyncio.LimitOverrunError:
+        raise BadRequest("request head too large") from None
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        method, target, version = lines[0].split(" ", 2)
+    except ValueError:
+        raise BadRequest(f"bad request line {lines[0]!r}") from None
+    headers = parse_headers(lines[1:])
+    body = await read_body(reader, headers)
+    return Request(method.upper(), target.split("?", 1)[0], headers, body,
+                   wants_keep_alive(version, headers))
+
+
+def parse_headers(lines: list[str]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise BadRequest(f"bad header line {line!r}")
+        headers[name.strip().lower()] = value.strip()
+    return headers
+
+
+def wants_keep_alive(version: str, headers: dict[str, str]) -> bool:
+    """HTTP/1.1 keeps the connection unless told otherwise; 1.0 only if asked."""
+    connection = headers.get("connection", "").lower()
+    if version.strip().upper() == "HTTP/1.0":
+        return "keep-alive" in connection
+    return "close" not in connection
+
+
+async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return await read_chunked(reader)
+    try:
+        length = int(headers.get("content-length", "0") or 0)
+    except ValueError:
+        raise BadRequest("bad Content-Length") from None
+    return await reader.readexactly(length) if length > 0 else b""
+
+
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        size_line = await reader.readline()
+        try:
+            size = int(size_line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise BadRequest("bad chunk size") from None
+        if size == 0:
+            while (await reader.readline()).strip():  # skip trailers
+                pass
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
+def encode_response(status: int, body: bytes, headers: dict[str, str],
+                    keep_alive: bool) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Status"
+    lines = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}",
+             "Connection: keep-alive" if keep_alive else "Connection: close"]
+    lines.extend(f"{k}: {v}" for k, v in {**JSON_HEADERS, **headers}.items())
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class HttpServer:
+    """asyncio stream server that routes requests to a ScriptedBackend."""
+
+    def __init__(self, backend: ScriptedBackend) -> None:
+        self.backend = backend
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.port = 0
+
+    async def start(self, port: int = 0) -> int:
+        self._server = await asyncio.start_server(
+            self._on_connection, host=HOST, port=port, backlog=4096,
+            limit=STREAM_LIMIT, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and drop open keep-alive connections (3.11 won't do it)."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                request = await read_request(reader)
+            except BadRequest as exc:
+                writer.write(encode_response(400, dumps(error_payload(400, str(exc))), {},
+                                             False))
+                await writer.drain()
+                return
+            if request is None:
+                return
+            if request.headers.get("expect", "").lower() == "100-continue":
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            status, payload, headers = await self._route(request)
+            writer.write(encode_response(status, dumps(payload), headers, request.keep_alive))
+            await writer.drain()
+            if not request.keep_alive:
+                return
+
+    async def _route(self, req: Request) -> tuple[int, Any, dict[str, str]]:
+        path = req.path.rstrip("/") or "/"
+        if req.method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
+            outcome = self.backend.handle_chat(req.body, req.headers.get("authorization"))
+            if outcome.delay > 0:
+                await asyncio.sleep(outcome.delay)
+            return outcome.status, outcome.payload, outcome.headers
+        if req.method == "GET" and path in ("/v1/models", "/models"):
+            return 200, models_payload(), {}
+        if req.method == "POST" and path == "/_script":
+            return self._swap_script(req.body)
+        if req.method == "GET" and path == "/_stats":
+            return 200, self.backend.stats(), {}
+        return 404, error_payload(404, f"no route for {req.method} {req.path}"), {}
+
+    def _swap_script(self, raw: bytes) -> tuple[int, Any, dict[str, str]]:
+        try:
+            self.backend.set_script(loads(raw))
+        except ValueError as exc:
+            return 400, error_payload(400, f"bad script: {exc}"), {}
+        return 200, {"ok": True}, {}
+
+
+def models_payload() -> dict[str, Any]:
+    return {"object": "list",
+            "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "scripted"}]}
+
+
+# ------------------------------------------------------------- in-process handle
+
+
+class ServerHandle:
+    """A server running on its own event loop in a daemon thread."""
+
+    def __init__(self, backend: ScriptedBackend, http_server: HttpServer,
+                 loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self.backend = backend
+        self._http = http_server
+        self._loop = loop
+        self._thread = thread
+        self._stopped = False
+        self.port: int = http_server.port
+        self.root_url = f"http://{HOST}:{self.port}"
+        self.url = f"{self.root_url}/v1"
+
+    def set_script(self, script: dict[str, Any]) -> None:
+        self.backend.set_script(script)
+
+    def requests(self) -> list[dict[str, Any]]:
+        return self.backend.requests()
+
+    def stats(self) -> dict[str, Any]:
+        return self.backend.stats()
+
+    def stop(self) -> None:
+        """Idempotent; closes connections, stops the loop, closes the log."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._loop.is_running():
+            future = asyncio.run_coroutine_threadsafe(self._http.close(), self._loop)
+            try:
+                future.result(timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self.backend.close()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(script: dict[str, Any], log_path: str | os.PathLike[str] | None = None,
+                 port: int = 0) -> ServerHandle:
+    """Start a scripted server in a daemon thread; returns once it is listening."""
+    backend = ScriptedBackend(script, log_path)
+    http_server = HttpServer(backend)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(http_server.start(port))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            failure.append(exc)
+            ready.set()
+            loop.close()
+            return
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    thread = threading.Thread(target=run, name=f"scripted-server-{port}", daemon=True)
+    thread.start()
+    if not ready.wait(timeout=10):
+        raise RuntimeError("scripted server did not start within 10 s")
+    if failure:
+        backend.close()
+        raise failure[0]
+    return ServerHandle(backend, http_server, loop, thread)
+
+
+if pytest is not None:
+
+    @pytest.fixture
+    def scripted_server() -> Iterator[Callable[..., ServerHandle]]:
+        """Factory fixture: ``scripted_server(script, log_path=None) -> ServerHandle``."""
+        handles: list[ServerHandle] = []
+
+        def factory(script: dict[str, Any],
+                    log_path: str | os.PathLike[str] | None = None) -> ServerHandle:
+            handle = start_server(script, log_path)
+            handles.append(handle)
+            return handle
+
+        yield factory
+        for handle in handles:
+            handle.stop()
+
+
+# ----------------------------------------------------------------- process mode
+
+
+async def serve_until_signal(backend: ScriptedBackend, port: int) -> None:
+    http_server = HttpServer(backend)
+    bound = await http_server.start(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"READY http://{HOST}:{bound}/v1", flush=True)
+    await stop.wait()
+    await http_server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Scripted OpenAI-compatible server.")
+    parser.add_argument("--script", help="JSON script file (default: empty script)")
+    parser.add_argument("--log", help="append one JSON line per chat request here")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--latency", type=float, help="override the script's latency")
+    args = parser.parse_args(argv)
+    script = load_script(args.script) if args.script else {}
+    backend = ScriptedBackend(script, args.log, keep_in_memory=False)
+    if args.latency is not None:
+        backend.set_latency(args.latency)
+    try:
+        asyncio.run(serve_until_signal(backend, args.port))
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

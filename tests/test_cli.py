@@ -1,0 +1,194 @@
+"""The spine, end to end: the real CLI as a subprocess against the loopback scripted server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import call, read_jsonl, think, write_jsonl
+from toolset_distributions import DISTRIBUTIONS, get_distribution, sample_toolsets
+
+ROW_KEYS = {"prompt_index", "conversations", "metadata", "completed", "partial", "api_calls", "toolsets_used",
+            "tool_stats", "tool_error_counts"}
+
+
+def test_multi_turn_run_writes_the_four_kinds_of_files(cli, scripted_server):
+    script = {"prompts": {
+        "make a file": [
+            call("write_file", path="hello.txt", content="hi there\n"),
+            call("terminal", command="cat hello.txt; exit 3"),
+            call("read_file", path="missing.txt"),
+            {"content": "Done: wrote hello.txt", "reasoning": "all good"},
+        ],
+    }, "default": [think("plain answer")]}
+    server = scripted_server(script)
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "make a file", "id": "a1"}, {"prompt": "just answer"},
+                                            {"prompt": "third"}])
+    done = cli.run(*cli.args(server, batch_size=2))
+    assert done.returncode == 0, done.stderr
+    run_dir = cli.run_dir()
+    assert {p.name for p in run_dir.iterdir()} >= {"batch_0.jsonl", "batch_1.jsonl", "checkpoint.json",
+                                                   "statistics.json", "trajectories.jsonl"}
+    rows = {r["prompt_index"]: r for r in read_jsonl(run_dir / "trajectories.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    row = rows[0]
+    assert set(row) == ROW_KEYS
+    assert row["metadata"]["id"] == "a1" and row["metadata"]["batch_num"] == 0 and row["metadata"]["model"] == "test-model"
+    assert row["completed"] is True and row["partial"] is False and row["api_calls"] == 4
+    assert row["toolsets_used"] == ["terminal", "file"]
+    convo = row["conversations"]
+    assert [t["from"] for t in convo] == ["system", "human", "gpt", "tool", "gpt", "tool", "gpt", "tool", "gpt"]
+    assert convo[2]["tool_calls"][0]["name"] == "write_file"
+    assert convo[2]["tool_calls"][0]["arguments"] == {"path": "hello.txt", "content": "hi there\n"}
+    assert convo[2]["value"].startswith("<think>\nI need a tool\n</think>\n<tool_call>\n")
+    # tool results are matched to calls by id, and the terminal really ran in the sandbox
+    assert convo[5]["tool_call_id"] == convo[4]["tool_calls"][0]["id"]
+    terminal_result = json.loads(convo[5]["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))
+    assert terminal_result["content"]["exit_code"] == 3 and "hi there" in terminal_result["content"]["output"]
+    stats = row["tool_stats"]
+    assert stats["write_file"] == {"count": 1, "success": 1, "failure": 0}
+    assert stats["terminal"] == {"count": 1, "success": 1, "failure": 0}  # a non-zero exit is a normal result
+    assert stats["read_file"] == {"count": 1, "success": 0, "failure": 1}
+    assert row["tool_error_counts"]["read_file"] == 1
+    # every row lists every tool of the registry, so all rows share one schema
+    assert set(rows[1]["tool_stats"]) == set(stats) and rows[1]["tool_stats"]["terminal"]["count"] == 0
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    assert statistics["ok"] == 3 and statistics["failed"]["total"] == 0 and statistics["total_batches"] == 2
+    assert statistics["tool_statistics"]["read_file"]["failure_rate"] == 1.0
+    assert statistics["api_calls"] == 6
+
+
+def test_trajectories_load_with_datasets(cli, scripted_server):
+    datasets = pytest.importorskip("datasets")
+    server = scripted_server({"default": [call("terminal", command="echo '</tool_call> <think>'"), think("ok")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    assert cli.run(*cli.args(server)).returncode == 0
+    loaded = datasets.load_dataset("json", data_files=str(cli.run_dir() / "trajectories.jsonl"), split="train",
+                                   cache_dir=str(cli.cwd / "hf-cache"))
+    assert len(loaded) == 6
+    gpt = loaded[0]["conversations"][2]
+    # content containing our own tags cannot break the envelope
+    assert gpt["value"].count("<tool_call>") == 1 and gpt["value"].count("</tool_call>") == 1
+    tool = loaded[0]["conversations"][3]["value"]
+    assert tool.count("</tool_response>") == 1
+
+
+def test_bad_dataset_lines_stop_the_run_before_any_request(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "good"}, "not json", "[1, 2]", {"text": "no prompt"},
+                                            {"prompt": 5}, {"prompt": "  "}])
+    done = cli.run(*cli.args(server))
+    assert done.returncode == 2
+    for line, reason in [(2, "not valid JSON"), (3, "not a JSON object"), (4, "no 'prompt' field"),
+                         (5, "non-empty string"), (6, "non-empty string")]:
+        assert f"prompts.jsonl:{line}: " in done.stderr and reason in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not cli.run_dir().exists() and server.requests() == []
+    skipped = cli.run(*cli.args(server, skip_invalid=True))
+    assert skipped.returncode == 0, skipped.stderr
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 1
+    assert json.loads((cli.run_dir() / "statistics.json").read_text())["invalid_lines_skipped"] == 5
+
+
+def test_usage_errors_exit_2_with_one_line(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    unknown = cli.run(*cli.args(server, distribution="nope"))
+    assert unknown.returncode == 2 and "unknown distribution 'nope'" in unknown.stderr and "terminal_only" in unknown.stderr
+    missing = cli.run(*cli.args(server, dataset_file="absent.jsonl"))
+    assert missing.returncode == 2 and "absent.jsonl: no such file" in missing.stderr
+    assert "Traceback" not in unknown.stderr + missing.stderr
+    assert not (cli.cwd / "data").exists()
+
+
+def test_list_distributions_prints_all(cli):
+    done = cli.run("--list_distributions")
+    assert done.returncode == 0, done.stderr
+    for name in DISTRIBUTIONS:
+        assert name in done.stdout
+
+
+def test_help_lists_every_flag(cli):
+    done = cli.run("--help", env={"PAGER": "cat"})
+    text = done.stdout + done.stderr
+    for flag in ("dataset_file", "batch_size", "concurrency", "providers_allowed", "terminal_backend", "max_samples"):
+        assert f"--{flag}" in text
+
+
+def test_list_flags_accept_comma_lists(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    # Fire turns a,b into a tuple; a single name stays a string
+    done = cli.run(*cli.args(server, providers_allowed="a,b", providers_order="c", provider_sort="price"))
+    assert done.returncode == 0, done.stderr
+    body = server.requests()[0]["body"]
+    assert body["provider"] == {"only": ["a", "b"], "order": ["c"], "sort": "price"}
+
+
+def test_a_slow_prompt_does_not_stall_its_batch(cli, scripted_server):
+    server = scripted_server({"prompts": {"slow": [{**think("late"), "delay": 4}]}, "default": [think("fast")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "slow"}] + [{"prompt": f"fast {i}"} for i in range(7)])
+    done = cli.run(*cli.args(server, batch_size=8, num_workers=1, concurrency=8))
+    assert done.returncode == 0, done.stderr
+    order = [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "batch_0.jsonl")]
+    assert order[-1] == "slow" and len(order) == 8  # the seven others landed while it was still running
+
+
+def test_one_worker_one_conversation_runs_strictly_in_turn(cli, scripted_server):
+    server = scripted_server({"default": [{**call("terminal", command="true"), "delay": 0.2}, {**think(), "delay": 0.2}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert cli.run(*cli.args(server, num_workers=1, concurrency=1)).returncode == 0
+    prompts = [r["prompt"] for r in server.requests()]
+    assert prompts == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"]
+
+
+def test_failed_prompt_gives_exit_1_and_is_not_a_row(cli, scripted_server):
+    server = scripted_server({"prompts": {"bad": [{"status": 400, "error": "bad request"}]}, "default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "good"}])
+    done = cli.run(*cli.args(server))
+    assert done.returncode == 1
+    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert [r["conversations"][1]["value"] for r in rows] == ["good"]
+    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    assert statistics["failed"] == {"total": 1, "by_class": {"BadRequestError": 1}}
+
+
+def test_turn_budget_forces_a_final_answer(cli, scripted_server):
+    server = scripted_server({"default": [call("terminal", command="echo again")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "loop forever"}])
+    assert cli.run(*cli.args(server, max_turns=2)).returncode == 0
+    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    assert row["completed"] is False and row["partial"] is True and row["api_calls"] == 3
+    last = server.requests()[-1]["body"]
+    assert "tools" not in last and last["messages"][-1]["role"] == "user"
+
+
+def test_existing_run_directory_is_refused_without_resume(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    again = cli.run(*cli.args(server))
+    assert again.returncode == 2 and "--resume" in again.stderr and "--overwrite" in again.stderr
+    assert len(server.requests()) == 1
+    assert cli.run(*cli.args(server, overwrite=True)).returncode == 0
+    assert len(server.requests()) == 2
+
+
+def test_sampling_is_seeded_per_prompt_and_never_empty():
+    dist = get_distribution("browser_tasks")
+    draws = [sample_toolsets(dist, 7, f"key-{i}") for i in range(500)]
+    assert draws == [sample_toolsets(dist, 7, f"key-{i}") for i in range(500)]
+    assert draws != [sample_toolsets(dist, 8, f"key-{i}") for i in range(500)]
+    assert all(draws) and ["browser"] in draws and any("terminal" in d for d in draws)
+    low = get_distribution("balanced")
+    assert all(sample_toolsets(low, s, "k") for s in range(300))
+
+
+def test_a_rerun_samples_the_same_toolsets(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(12)])
+    for name in ("one", "two"):
+        assert cli.run(*cli.args(server, run_name=name, distribution="development", seed=3)).returncode == 0
+    sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"] for r in read_jsonl(cli.run_dir(n) / "trajectories.jsonl")}
+               for n in ("one", "two")]
+    assert sampled[0] == sampled[1] and len({tuple(v) for v in sampled[0].values()}) > 1

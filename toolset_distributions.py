@@ -1,0 +1,69 @@
+"""Named toolset distributions and the per-prompt sampler.
+
+Each distribution gives every toolset an independent chance of being offered to a prompt.
+Sampling is seeded per prompt (run seed + prompt identity), so a rerun or a resume draws the
+same toolsets and worker processes never share one random stream.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "browser")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    name: str
+    description: str
+    chances: dict[str, int]  # toolset -> percent chance of being offered
+
+    def __post_init__(self) -> None:
+        for toolset, percent in self.chances.items():
+            if toolset not in TOOLSETS or not 0 < percent <= 100:
+                raise ValueError(f"distribution {self.name}: bad entry {toolset}={percent}")
+
+
+def _d(name: str, description: str, **chances: int) -> Distribution:
+    return Distribution(name, description, chances)
+
+
+DISTRIBUTIONS: dict[str, Distribution] = {
+    d.name: d
+    for d in [
+        _d("default", "all tools, always", web=100, vision=100, image_gen=100, terminal=100, file=100, browser=100),
+        _d("image_gen", "image generation with vision and web", image_gen=90, vision=90, web=55, terminal=45),
+        _d("research", "web research with vision", web=90, browser=70, vision=50, terminal=10),
+        _d("science", "research with web, terminal, file, browser",
+           web=94, terminal=94, file=94, vision=65, browser=50, image_gen=15),
+        _d("development", "terminal and file, occasional web", terminal=80, file=80, web=30, vision=10),
+        _d("safe", "everything but the terminal", web=80, browser=70, vision=60, image_gen=60),
+        _d("balanced", "all equally", web=50, vision=50, image_gen=50, terminal=50, file=50, browser=50),
+        _d("minimal", "web only", web=100),
+        _d("terminal_only", "terminal and file", terminal=100, file=100),
+        _d("terminal_web", "terminal and file with web", terminal=100, file=100, web=100),
+        _d("creative", "image generation and vision", image_gen=90, vision=90, web=30),
+        _d("reasoning", "research-heavy, few tools", web=90, file=60, terminal=20),
+        _d("browser_use", "browser with search and vision", browser=100, web=80, vision=70),
+        _d("browser_only", "browser only", browser=100),
+        _d("browser_tasks", "browser-focused", browser=97, vision=12, terminal=15),
+        _d("terminal_tasks", "terminal-focused",
+           terminal=97, file=97, web=97, browser=75, vision=50, image_gen=10),
+        _d("mixed_tasks", "browser, terminal, file", browser=92, terminal=92, file=92, web=35, vision=15, image_gen=15),
+    ]
+}
+
+
+def get_distribution(name: str) -> Distribution:
+    if name not in DISTRIBUTIONS:
+        raise KeyError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}")
+    return DISTRIBUTIONS[name]
+
+
+def sample_toolsets(distribution: Distribution, seed: int, prompt_key: str) -> list[str]:
+    """Flip each toolset independently; if none came up, offer the most probable one."""
+    rng = random.Random(f"{seed}:{prompt_key}")
+    chosen = [t for t, percent in distribution.chances.items() if rng.random() * 100 < percent]
+    if not chosen:
+        chosen = [max(distribution.chances, key=distribution.chances.__getitem__)]
+    return chosen

@@ -1,0 +1,1 @@
+"""The batch runner's internals: dataset -> plan -> workers -> results -> writer -> merge -> statistics."""

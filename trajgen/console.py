@@ -1,0 +1,85 @@
+"""Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from toolset_distributions import DISTRIBUTIONS, TOOLSETS
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+
+
+def notice(message: str) -> None:
+    err.print(f"[yellow]note:[/] {message}", soft_wrap=True)
+
+
+def distributions_table() -> Table:
+    table = Table(title="Toolset distributions (percent chance per toolset)")
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("description")
+    for toolset in TOOLSETS:
+        table.add_column(toolset, justify="right")
+    for d in DISTRIBUTIONS.values():
+        table.add_row(d.name, d.description, *(str(d.chances.get(t, "")) for t in TOOLSETS))
+    return table
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:.1f}/s"),
+        TextColumn("[green]ok {task.fields[ok]}[/] [yellow]discarded {task.fields[discarded]}[/] "
+                   "[red]failed {task.fields[failed]}[/]"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=err,
+    )
+
+
+def _rate(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def summary(stats: dict) -> None:
+    """The same numbers as statistics.json, as tables."""
+    overview = Table(title=f"Run {stats['run_name']}: {stats['model']}", show_header=False)
+    overview.add_column(style="bold")
+    overview.add_column(justify="right")
+    failed = stats["failed"]
+    rows = [
+        ("prompts in dataset", stats["total_prompts"]),
+        ("ok (rows written)", stats["ok"]),
+        ("kept in trajectories.jsonl", stats["kept"]),
+        ("discarded", ", ".join(f"{k} {v}" for k, v in stats["discarded"]["by_reason"].items()) or 0),
+        ("filtered (hallucinated tool)", stats["filtered_hallucinated"]),
+        ("failed (resume retries)", ", ".join(f"{k} {v}" for k, v in failed["by_class"].items()) or 0),
+        ("not yet run", stats["remaining_not_run"]),
+        ("api calls", stats["api_calls"]),
+        ("tokens prompt / completion / reasoning",
+         " / ".join(str(stats["tokens"][k]) for k in ("prompt", "completion", "reasoning"))),
+        ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
+        ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
+                               f"{stats['reasoning_statistics']['total_assistant_turns']} assistant turns"),
+        ("duration (this run / total)",
+         f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
+    ]
+    for name, value in rows:
+        overview.add_row(name, str(value))
+    out.print(overview)
+    tools = Table(title="Tool usage (kept rows)")
+    for column in ("tool", "calls", "success", "failure", "success rate"):
+        tools.add_column(column, justify="left" if column == "tool" else "right")
+    for name, s in stats["tool_statistics"].items():
+        if s["count"]:
+            tools.add_row(name, str(s["count"]), str(s["success"]), str(s["failure"]), _rate(s["success_rate"]))
+    if tools.row_count:
+        out.print(tools)

@@ -1,0 +1,120 @@
+"""Read the JSONL dataset as a stream, validate it, and give every prompt its identity.
+
+A prompt's identity (`key`) is a hash of its task content (prompt, image, cwd) plus its
+occurrence number among identical rows, so the k-th copy of a repeated prompt is done or
+not on its own, and resume survives inserted, deleted and reordered lines.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import orjson
+
+TASK_FIELDS = ("prompt", "image", "docker_image", "cwd")
+
+
+@dataclass
+class Entry:
+    index: int  # 0-based line number in the dataset file
+    prompt: str
+    image: str | None
+    cwd: str | None
+    extra: dict  # the row's other fields, carried into the row's metadata
+    key: str = ""
+
+
+@dataclass
+class DatasetCheck:
+    """What the validation pass found; duplicates holds the content hashes seen more than once."""
+
+    valid: int = 0
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+    duplicates: set[int] = field(default_factory=set)
+    fingerprint: str = ""
+
+
+def parse_line(raw: bytes, index: int, path: str) -> Entry | str:
+    """An Entry, or a one-line reason the line is bad."""
+    where = f"{path}:{index + 1}"
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return f"{where}: not valid JSON ({e})"
+    if not isinstance(obj, dict):
+        return f"{where}: not a JSON object"
+    prompt = obj.get("prompt")
+    if "prompt" not in obj:
+        return f"{where}: no 'prompt' field"
+    if not isinstance(prompt, str) or not prompt.strip():
+        return f"{where}: field 'prompt' must be a non-empty string"
+    image = obj.get("image", obj.get("docker_image"))
+    for name in ("image", "docker_image", "cwd"):
+        value = obj.get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            return f"{where}: field '{name}' must be a non-empty string"
+    cwd = obj.get("cwd")
+    if cwd is not None and not cwd.startswith("/"):
+        return f"{where}: field 'cwd' must be an absolute path"
+    extra = {k: v for k, v in obj.items() if k not in TASK_FIELDS}
+    return Entry(index, prompt, image, cwd, extra)
+
+
+def content_hash(entry: Entry) -> bytes:
+    content = orjson.dumps({"prompt": entry.prompt, "image": entry.image, "cwd": entry.cwd})
+    return hashlib.blake2b(content, digest_size=16).digest()
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            if raw.strip():
+                yield index, raw
+
+
+def check(path: str, max_samples: int | None = None, max_errors_shown: int = 20) -> DatasetCheck:
+    """Validate every line and find repeated prompts, holding 8 bytes per prompt, not the prompts."""
+    result = DatasetCheck()
+    heads = array("Q")
+    digest = hashlib.blake2b(digest_size=16)
+    for index, raw in _lines(path):
+        parsed = parse_line(raw, index, path)
+        if isinstance(parsed, str):
+            result.error_count += 1
+            if len(result.errors) < max_errors_shown:
+                result.errors.append(parsed)
+            continue
+        if max_samples is not None and result.valid >= max_samples:
+            continue
+        result.valid += 1
+        h = content_hash(parsed)
+        digest.update(h)
+        heads.append(int.from_bytes(h[:8], "little"))
+    result.fingerprint = digest.hexdigest()
+    ordered = sorted(heads)
+    result.duplicates = {a for a, b in zip(ordered, ordered[1:]) if a == b}
+    return result
+
+
+def entries(path: str, duplicates: set[int], max_samples: int | None = None) -> Iterator[Entry]:
+    """The valid entries in file order, each with its identity key (bad lines are skipped)."""
+    seen: dict[int, int] = {}
+    count = 0
+    for index, raw in _lines(path):
+        parsed = parse_line(raw, index, path)
+        if isinstance(parsed, str):
+            continue
+        if max_samples is not None and count >= max_samples:
+            return
+        count += 1
+        h = content_hash(parsed)
+        head = int.from_bytes(h[:8], "little")
+        occurrence = 0
+        if head in duplicates:
+            occurrence = seen.get(head, 0)
+            seen[head] = occurrence + 1
+        parsed.key = f"{h.hex()}-{occurrence}"
+        yield parsed

@@ -1,0 +1,153 @@
+"""The final merge and the statistics, in one streaming pass over the whole run directory.
+
+Everything is counted from the files (old and resumed batches alike), so statistics.json
+always agrees with trajectories.jsonl, the batch files and the side records.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from trajgen import store
+
+
+@dataclass
+class Tally:
+    """Tool, reasoning, usage and turn counts over a group of rows."""
+
+    rows: int = 0
+    tools: dict[str, dict[str, int]] = field(default_factory=dict)
+    assistant_turns: int = 0
+    turns_with_reasoning: int = 0
+    api_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost: float | None = None
+
+    def add(self, row: dict) -> None:
+        self.rows += 1
+        for name, s in (row.get("tool_stats") or {}).items():
+            entry = self.tools.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            for k in entry:
+                entry[k] += s.get(k, 0)
+        meta = row.get("metadata") or {}
+        self.assistant_turns += meta.get("assistant_turns", 0)
+        self.turns_with_reasoning += meta.get("turns_with_reasoning", 0)
+        self.api_calls += row.get("api_calls", 0)
+        usage = meta.get("usage") or {}
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+        self.reasoning_tokens += usage.get("reasoning_tokens", 0)
+        if usage.get("cost") is not None:
+            self.cost = (self.cost or 0.0) + usage["cost"]
+
+    def __add__(self, other: "Tally") -> "Tally":
+        """Totals of counters only (tools stay per group)."""
+        total = Tally()
+        for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls",
+                     "prompt_tokens", "completion_tokens", "reasoning_tokens"):
+            setattr(total, name, getattr(self, name) + getattr(other, name))
+        costs = [c for c in (self.cost, other.cost) if c is not None]
+        total.cost = sum(costs) if costs else None
+        return total
+
+    def tool_statistics(self) -> dict:
+        out = {}
+        for name, s in self.tools.items():
+            rate = (lambda n: round(n / s["count"], 4) if s["count"] else 0.0)
+            out[name] = {**s, "success_rate": rate(s["success"]), "failure_rate": rate(s["failure"])}
+        return out
+
+
+@dataclass
+class Merged:
+    kept: Tally = field(default_factory=Tally)
+    hallucinated: Tally = field(default_factory=Tally)
+    discarded: Tally = field(default_factory=Tally)
+    discarded_by_reason: Counter = field(default_factory=Counter)
+    failed_by_class: Counter = field(default_factory=Counter)
+    batch_files: int = 0
+    duplicates_skipped: int = 0
+    torn: list[str] = field(default_factory=list)
+
+
+def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
+    """Write trajectories.jsonl (atomically) and count everything on the way."""
+    result = Merged()
+    seen: set[str] = set()
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+            batches = store.batch_files(run_dir)
+            result.batch_files = len(batches)
+            for _, path in batches:
+                for row in store.read_records(path, result.torn):
+                    key = store.row_key(row)
+                    if key is None or key in seen:
+                        result.duplicates_skipped += 1
+                        continue
+                    seen.add(key)
+                    if row["metadata"].get("hallucinated_tools") and not keep_hallucinated:
+                        result.hallucinated.add(row)
+                        continue
+                    result.kept.add(row)
+                    out.write(orjson.dumps(row))
+                    out.write(b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, run_dir / "trajectories.jsonl")
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    for record in store.read_records(run_dir / store.DISCARDED, result.torn):
+        key = record.get("prompt_key")
+        if key in seen:
+            continue
+        seen.add(key)
+        result.discarded_by_reason[record.get("reason", "unknown")] += 1
+        result.discarded.add(record.get("row") or {})
+    latest: dict[str, str] = {}
+    for record in store.read_records(run_dir / store.FAILURES, result.torn):
+        latest[record.get("prompt_key")] = record.get("error_class", "Exception")
+    result.failed_by_class.update(cls for key, cls in latest.items() if key not in seen)
+    return result
+
+
+def statistics(merged: Merged, header: dict) -> dict:
+    """statistics.json: `header` holds the run's settings and durations."""
+    everything = merged.kept + merged.hallucinated + merged.discarded
+    turns = everything.assistant_turns
+    return {
+        **header,
+        "ok": merged.kept.rows + merged.hallucinated.rows,
+        "kept": merged.kept.rows,
+        "discarded": {"total": merged.discarded.rows, "by_reason": dict(merged.discarded_by_reason)},
+        "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class)},
+        "filtered_hallucinated": merged.hallucinated.rows,
+        "total_batches": merged.batch_files,
+        "tool_statistics": merged.kept.tool_statistics(),
+        "filtered_tool_statistics": {
+            "hallucinated": merged.hallucinated.tool_statistics(),
+            "discarded": merged.discarded.tool_statistics(),
+        },
+        "reasoning_statistics": {
+            "total_assistant_turns": turns,
+            "turns_with_reasoning": everything.turns_with_reasoning,
+            "turns_without_reasoning": turns - everything.turns_with_reasoning,
+            "coverage_percent": round(100 * everything.turns_with_reasoning / turns, 2) if turns else 0.0,
+        },
+        "api_calls": everything.api_calls,
+        "tokens": {
+            "prompt": everything.prompt_tokens,
+            "completion": everything.completion_tokens,
+            "reasoning": everything.reasoning_tokens,
+        },
+        "cost": everything.cost,
+        "torn_lines_ignored": merged.torn,
+    }

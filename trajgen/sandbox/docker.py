@@ -1,0 +1,137 @@
+"""The `docker` backend: one container per prompt, driven through the `docker` CLI.
+
+The container is the boundary: no network unless asked, CPU, memory and process limits, and
+a session label so `cleanup` can find every container a run (or a crashed worker) left.
+PID 1 is a tiny shell loop that reaps orphans and survives `kill -9 -1`, which is how a timed
+out command is ended together with everything it started, setsid or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from typing import TYPE_CHECKING
+
+from trajgen.sandbox import ExecResult, SandboxError
+from trajgen.sandbox.local import run_process
+
+if TYPE_CHECKING:
+    from trajgen.sandbox.config import SandboxConfig
+
+PULL_TIMEOUT = 900.0
+CONTROL_TIMEOUT = 120.0  # docker run / rm / inspect
+REAPER = "while :; do sleep 2147483647 & wait; done"
+PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
+
+
+def docker_env() -> dict[str, str]:
+    """What the docker CLI needs (DOCKER_HOST, its config), and none of the runner's other variables."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DOCKER_") or k in ("PATH", "HOME")}
+
+
+async def _docker(*args: str, timeout: float, stdin: bytes | None = None) -> tuple[int | None, bytes, str]:
+    """Run one docker CLI command: (exit code or None on timeout, stdout, stderr's text)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "docker", *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=docker_env(),
+        )
+    except OSError as e:
+        raise SandboxError(f"cannot run the docker CLI: {e.strerror}") from e
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None, b"", f"docker {args[0]} did not finish within {timeout:g} s"
+    return proc.returncode, out, err.decode("utf-8", "replace").strip()
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no error message"
+
+
+class DockerSandbox:
+    """A prompt's container, started at first use from an image that must already be local."""
+
+    def __init__(self, config: SandboxConfig, key: str, image: str, cwd: str) -> None:
+        self.config = config
+        self.key = key
+        self.image = image
+        self.cwd = cwd
+        self._id: str | None = None
+        self._lock = asyncio.Lock()
+
+    async def _container(self) -> str:
+        async with self._lock:
+            if self._id is None:
+                self._id = await self._start()
+        return self._id
+
+    async def _start(self) -> str:
+        c = self.config
+        code, out, err = await _docker(
+            "run", "-d", "--pull", "never", *([] if c.network else ["--network", "none"]),
+            "--cpus", f"{c.cpus:g}", "--memory", f"{c.memory_mb}m", "--pids-limit", str(c.max_processes),
+            "--ulimit", f"cpu={c.cpu_seconds}", "--ulimit", f"fsize={c.file_size_mb << 20}",
+            "--label", f"trajgen.session={c.label}", "--label", f"trajgen.key={self.key}",
+            "-e", "LANG=C.UTF-8", "-e", "TERM=dumb", "-e", "PYTHONUNBUFFERED=1",
+            "-w", self.cwd, "--entrypoint", "sh", self.image, "-c", REAPER,
+            timeout=CONTROL_TIMEOUT,
+        )
+        if code != 0:
+            raise SandboxError(f"cannot start a container from image {self.image}: {_last_line(err)}")
+        return out.decode().strip()
+
+    async def run(self, command: str, timeout: float) -> ExecResult:
+        cid = await self._container()
+
+        async def kill_all() -> None:  # killing the docker CLI leaves the command running inside
+            await _docker("exec", "-u", "0", cid, "sh", "-c", "kill -9 -1", timeout=CONTROL_TIMEOUT)
+
+        argv = ["docker", "exec", cid, "sh", "-c", PREFER_BASH, "sh", command]
+        return await run_process(argv, timeout, docker_env(), on_timeout=kill_all)
+
+    async def read_file(self, path: str) -> bytes:
+        code, out, err = await _docker("exec", await self._container(), "cat", "--", path, timeout=self.config.command_timeout)
+        if code != 0:
+            raise SandboxError(f"cannot read {path}: {_last_line(err)}")
+        return out
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        cid = await self._container()
+        code, _, err = await _docker("exec", "-i", cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout)
+        if code != 0:
+            raise SandboxError(f"cannot write {path}: {_last_line(err)}")
+
+    async def close(self) -> None:
+        if self._id is not None and not self.config.keep:
+            await _docker("rm", "-f", self._id, timeout=CONTROL_TIMEOUT)
+            self._id = None
+
+
+async def check_image(image: str) -> str | None:
+    """None if the image is local or could be pulled, else a one-line reason."""
+    try:
+        code, _, _ = await _docker("image", "inspect", image, timeout=CONTROL_TIMEOUT)
+        if code == 0:
+            return None
+        code, _, err = await _docker("pull", "--quiet", image, timeout=PULL_TIMEOUT)
+    except SandboxError as e:
+        return str(e)
+    return None if code == 0 else f"image {image} is not available locally and pulling it failed: {_last_line(err)}"
+
+
+def remove_containers(label: str) -> None:
+    """Force-remove every container carrying trajgen.session=<label>; quiet when docker is absent."""
+    try:
+        listed = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=trajgen.session={label}"],
+            capture_output=True, text=True, timeout=CONTROL_TIMEOUT, env=docker_env(),
+        )
+        if ids := listed.stdout.split():
+            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=CONTROL_TIMEOUT, env=docker_env())
+    except (OSError, subprocess.TimeoutExpired):
+        pass

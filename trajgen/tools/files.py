@@ -1,0 +1,207 @@
+"""The `file` toolset: read, write, patch and search files in the prompt's sandbox.
+
+Reads and writes go through the sandbox (host-side and path-checked for the local backend);
+the search runs inside it. A model's bad arguments or a refused path come back as
+success=False with a message, never as an exception.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+
+from trajgen.sandbox import SandboxError
+from trajgen.tools import ToolContext, ToolSpec
+
+MAX_READ_CHARS = 100_000
+MAX_LINE_CHARS = 2_000  # a minified file's one line must not eat the whole read
+DEFAULT_LIMIT = 500
+MAX_MATCHES = 200
+MATCH_LINE = re.compile(r"^.+?:\d+:")
+
+
+def _fail(error: str) -> dict:
+    return {"success": False, "error": error}
+
+
+def _bad_args(strings: dict[str, object], positive: dict[str, object] | None = None) -> str | None:
+    """The first argument error, if any: `strings` must be non-empty str, `positive` int >= 1."""
+    for name, value in strings.items():
+        if not isinstance(value, str) or not value:
+            return f"`{name}` must be a non-empty string"
+    for name, value in (positive or {}).items():
+        if type(value) is not int or value < 1:
+            return f"`{name}` must be a positive integer"
+    return None
+
+
+async def read_file(ctx: ToolContext, path: object = None, offset: object = 1, limit: object = DEFAULT_LIMIT) -> dict:
+    if error := _bad_args({"path": path}, {"offset": offset, "limit": limit}):
+        return _fail(error)
+    try:
+        data = await (await ctx.sandbox()).read_file(path)
+    except SandboxError as e:
+        return _fail(str(e))
+    if b"\0" in data[:8192]:
+        return _fail(f"{path} looks binary ({len(data)} bytes); not shown")
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if offset > max(len(lines), 1):
+        return _fail(f"offset {offset} is past the end of {path} ({len(lines)} lines)")
+    shown: list[str] = []
+    size = 0
+    for number, line in enumerate(lines[offset - 1 : offset - 1 + limit], start=offset):
+        if len(line) > MAX_LINE_CHARS:
+            line = line[:MAX_LINE_CHARS] + f" [... line cut, {len(line)} chars]"
+        text = f"{number:6d}|{line}\n"
+        if size + len(text) > MAX_READ_CHARS:
+            break
+        shown.append(text)
+        size += len(text)
+    end = offset + len(shown) - 1
+    truncated = end < len(lines)
+    return {
+        "success": True, "error": None, "content": "".join(shown), "total_lines": len(lines),
+        "truncated": truncated, "next_offset": end + 1 if truncated else None,
+    }
+
+
+async def write_file(ctx: ToolContext, path: object = None, content: object = None) -> dict:
+    if error := _bad_args({"path": path}):
+        return _fail(error)
+    if not isinstance(content, str):
+        return _fail("`content` must be a string")
+    data = content.encode("utf-8")
+    try:
+        await (await ctx.sandbox()).write_file(path, data)
+    except SandboxError as e:
+        return _fail(str(e))
+    return {"success": True, "error": None, "bytes_written": len(data)}
+
+
+async def patch(
+    ctx: ToolContext, path: object = None, old_string: object = None, new_string: object = None, replace_all: object = False
+) -> dict:
+    if error := _bad_args({"path": path, "old_string": old_string}):
+        return _fail(error)
+    if not isinstance(new_string, str):
+        return _fail("`new_string` must be a string")
+    if not isinstance(replace_all, bool):
+        return _fail("`replace_all` must be true or false")
+    try:
+        sandbox = await ctx.sandbox()
+        text = (await sandbox.read_file(path)).decode("utf-8")
+        count = text.count(old_string)
+        if count == 0:
+            return _fail(f"old_string not found in {path}; nothing changed")
+        if count > 1 and not replace_all:
+            return _fail(
+                f"old_string occurs {count} times in {path}; include more surrounding text to make it "
+                "unique, or set replace_all to replace every occurrence"
+            )
+        await sandbox.write_file(path, text.replace(old_string, new_string).encode("utf-8"))
+    except SandboxError as e:
+        return _fail(str(e))
+    except UnicodeDecodeError:
+        return _fail(f"{path} is not UTF-8 text; patch cannot edit it")
+    return {"success": True, "error": None, "replacements": count}
+
+
+def _search_command(pattern: str, path: str, file_glob: str | None) -> str:
+    """ripgrep when the sandbox has it, else find + grep -E (busybox has no --include)."""
+    q = shlex.quote
+    path = "./" + path if path.startswith("-") else path  # never let find read it as an expression
+    rg_glob = f" --glob {q(file_glob)}" if file_glob else ""
+    find_glob = f" -name {q(file_glob)}" if file_glob else ""
+    rg = f"rg --line-number --with-filename --no-heading --color never{rg_glob} -e {q(pattern)} -- {q(path)}"
+    grep = f"find {q(path)} -type f{find_glob} -exec grep -nHIE -e {q(pattern)} -- {{}} +"
+    return f"if command -v rg >/dev/null 2>&1; then {rg}; else {grep}; fi 2>&1 | head -n {MAX_MATCHES + 1}"
+
+
+async def search_files(ctx: ToolContext, pattern: object = None, path: object = ".", file_glob: object = None) -> dict:
+    if error := _bad_args({"pattern": pattern, "path": path}):
+        return _fail(error)
+    if file_glob is not None and (not isinstance(file_glob, str) or not file_glob):
+        return _fail("`file_glob` must be a non-empty string such as '*.py'")
+    try:
+        sandbox = await ctx.sandbox()
+        check_path = getattr(sandbox, "check_path", None)  # backends whose boundary is the work dir
+        if check_path:
+            check_path(path)
+        result = await sandbox.run(_search_command(pattern, path, file_glob), ctx.command_timeout)
+    except SandboxError as e:
+        return _fail(str(e))
+    if result.error:
+        return _fail(f"search failed: {result.error}")
+    lines = result.output.splitlines()
+    matches = [line for line in lines if MATCH_LINE.match(line)][:MAX_MATCHES]
+    other = [line for line in lines if not MATCH_LINE.match(line)]
+    if other and not matches:
+        return _fail("search failed: " + "\n".join(other[:10]))
+    return {
+        "success": True, "error": None, "matches": "\n".join(line[:MAX_LINE_CHARS] for line in matches),
+        "count": len(matches), "truncated": len(lines) > MAX_MATCHES, "warnings": "\n".join(other[:10]) or None,
+    }
+
+
+def _schema(properties: dict, required: list[str]) -> dict:
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+PATH = {"type": "string", "description": "File path, relative to the working directory or absolute inside it."}
+
+TOOLS = [
+    ToolSpec(
+        name="read_file",
+        toolset="file",
+        description="Read a text file with line numbers (`     1|text`), a window of lines at a time.",
+        parameters=_schema(
+            {
+                "path": PATH,
+                "offset": {"type": "integer", "minimum": 1, "description": "First line to show, 1-based (default 1)."},
+                "limit": {"type": "integer", "minimum": 1, "description": f"How many lines to show (default {DEFAULT_LIMIT})."},
+            },
+            ["path"],
+        ),
+        fn=read_file,
+    ),
+    ToolSpec(
+        name="write_file",
+        toolset="file",
+        description="Create or overwrite a file with the given content; missing parent directories are created.",
+        parameters=_schema(
+            {"path": PATH, "content": {"type": "string", "description": "The complete new content of the file."}},
+            ["path", "content"],
+        ),
+        fn=write_file,
+    ),
+    ToolSpec(
+        name="patch",
+        toolset="file",
+        description="Replace an exact piece of text in a file; it must occur exactly once unless replace_all is set.",
+        parameters=_schema(
+            {
+                "path": PATH,
+                "old_string": {"type": "string", "description": "The exact text to replace, whitespace included."},
+                "new_string": {"type": "string", "description": "The text to put in its place."},
+                "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)."},
+            },
+            ["path", "old_string", "new_string"],
+        ),
+        fn=patch,
+    ),
+    ToolSpec(
+        name="search_files",
+        toolset="file",
+        description=f"Search file contents with a regular expression; returns up to {MAX_MATCHES} `path:line:text` matches.",
+        parameters=_schema(
+            {
+                "pattern": {"type": "string", "description": "Regular expression (extended syntax) to look for."},
+                "path": {"type": "string", "description": "File or directory to search (default: the working directory)."},
+                "file_glob": {"type": "string", "description": "Only search files whose name matches this glob, e.g. '*.py'."},
+            },
+            ["pattern"],
+        ),
+        fn=search_files,
+    ),
+]

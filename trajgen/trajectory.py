@@ -1,0 +1,83 @@
+"""Turn an API conversation into a ShareGPT-style row.
+
+A gpt turn's `value` is self-contained training text in the Hermes form: one leading
+`<think>…</think>`, the content, then each call as `<tool_call>{json}</tool_call>`; tool turns
+are `<tool_response>{json}</tool_response>`. JSON inside the envelope escapes `<` as \\u003c,
+and free text has `<` of our own tags written as `&lt;`, so no content can break the envelope.
+"""
+from __future__ import annotations
+
+import re
+
+import orjson
+
+FORMAT_VERSION = 1
+ENVELOPE_TAGS = ("think", "tool_call", "tool_response")
+REASONING_TAGS = ("think", "thinking", "reasoning", "REASONING_SCRATCHPAD")
+_REASONING_BLOCK = re.compile(
+    r"<(" + "|".join(REASONING_TAGS) + r")>(.*?)(?:</\1>|\Z)", re.DOTALL
+)
+_ENVELOPE_TAG = re.compile(r"<(/?(?:" + "|".join(ENVELOPE_TAGS) + r"))>")
+
+
+def split_reasoning(message: dict) -> tuple[str, str]:
+    """(reasoning, content without reasoning blocks) from the reply's fields and inline tags."""
+    parts: list[str] = []
+    for name in ("reasoning", "reasoning_content"):
+        if isinstance(message.get(name), str) and message[name].strip():
+            parts.append(message[name].strip())
+    if not parts:  # reasoning_details usually repeats `reasoning`; use it only when that is missing
+        for detail in message.get("reasoning_details") or []:
+            if isinstance(detail, dict):
+                text = detail.get("text") or detail.get("summary")
+                if isinstance(text, str) and text.strip():
+                    parts.append(text.strip())
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    inline = [m.group(2).strip() for m in _REASONING_BLOCK.finditer(content)]
+    parts.extend(p for p in inline if p)
+    if inline:
+        content = _REASONING_BLOCK.sub("", content).strip()
+    return "\n\n".join(parts), content
+
+
+def escape_text(text: str) -> str:
+    return _ENVELOPE_TAG.sub(r"&lt;\1>", text)
+
+
+def envelope_json(obj) -> str:
+    return orjson.dumps(obj).decode().replace("<", "\\u003c")
+
+
+def parse_arguments(raw: str):
+    """The call's arguments as an object; text that is not a JSON object is kept under `_raw`."""
+    try:
+        value = orjson.loads(raw or "{}")
+    except orjson.JSONDecodeError:
+        return {"_raw": raw}
+    return value if isinstance(value, dict) else {"_raw": raw}
+
+
+def gpt_turn(reasoning: str, content: str, calls: list[dict]) -> dict:
+    """calls: [{id, name, arguments (object)}]."""
+    pieces = []
+    if reasoning:
+        pieces.append(f"<think>\n{escape_text(reasoning)}\n</think>")
+    if content:
+        pieces.append(escape_text(content))
+    for call in calls:
+        pieces.append(f"<tool_call>\n{envelope_json({'name': call['name'], 'arguments': call['arguments']})}\n</tool_call>")
+    turn: dict = {"from": "gpt", "value": "\n".join(pieces)}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def tool_turn(call_id: str, name: str, result: dict) -> dict:
+    body = envelope_json({"tool_call_id": call_id, "name": name, "content": result})
+    return {"from": "tool", "value": f"<tool_response>\n{body}\n</tool_response>", "tool_call_id": call_id}
+
+
+def empty_tool_stats(tool_names: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    return {name: {"count": 0, "success": 0, "failure": 0} for name in tool_names}

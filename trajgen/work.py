@@ -1,0 +1,59 @@
+"""What travels between the planner and the workers: one prompt out, one result back.
+
+Any executor (the process pool here, a cluster later) only has to move these two dataclasses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trajgen.sandbox.config import SandboxConfig
+
+
+@dataclass
+class ModelSettings:
+    model: str
+    base_url: str
+    api_key: str
+    max_turns: int = 10
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_retries: int = 5
+    request_timeout: float = 600.0
+    prompt_timeout: float | None = None
+    extra_body: dict = field(default_factory=dict)  # provider routing and reasoning controls
+    reasoning_effort: str | None = None  # the standard parameter, for endpoints other than OpenRouter
+    system_prompt: str = ""
+    ephemeral_system_prompt: str = ""  # sent, never written into trajectories
+    prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
+
+
+@dataclass
+class WorkerConfig:
+    model: ModelSettings
+    sandbox: SandboxConfig
+    concurrency: int  # conversations this worker may hold at once
+    verbose: bool = False
+
+
+@dataclass
+class Task:
+    key: str
+    prompt_index: int
+    batch_num: int
+    prompt: str
+    image: str | None
+    cwd: str | None
+    extra: dict
+    toolsets_sampled: list[str]
+    toolsets_offered: list[str]
+
+
+@dataclass
+class Result:
+    key: str
+    prompt_index: int
+    batch_num: int
+    row: dict | None = None  # the trajectory row, when the conversation ended
+    error_class: str | None = None  # set when the prompt failed
+    message: str | None = None

@@ -1,0 +1,230 @@
+"""The process pool: worker processes, each an asyncio loop holding many conversations.
+
+The parent hands out one prompt at a time (`submit`) and reads results back (`poll`); nothing
+else crosses the boundary, so another executor can replace this one. Workers never write the
+run directory and print nothing: logs travel to the parent, which owns the terminal.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing as mp
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+import model_tools
+from trajgen import agent, llm
+from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
+from trajgen.sandbox import Sandbox
+from trajgen.sandbox.config import open_sandbox
+from trajgen.tools import ToolContext, ToolSpec
+from trajgen.work import Result, Task, WorkerConfig
+
+# Messages: parent -> worker ("task", Task) | ("cancel",) | ("stop",)
+#           worker -> parent ("result", Result) | ("throttle",) | ("fatal", str) | ("log", str) | ("cancelled",)
+
+
+class _Prompt:
+    """One prompt's lazily opened sandbox."""
+
+    def __init__(self, task: Task, config: WorkerConfig):
+        self.task, self.config = task, config
+        self.sandbox: Sandbox | None = None
+
+    async def get_sandbox(self) -> Sandbox:
+        if self.sandbox is None:
+            self.sandbox = await asyncio.to_thread(
+                open_sandbox, self.config.sandbox, self.task.key, self.task.image, self.task.cwd
+            )
+        return self.sandbox
+
+    async def close(self) -> None:
+        if self.sandbox is not None:
+            await asyncio.shield(self.sandbox.close())
+
+
+class _Worker:
+    def __init__(self, conn: Connection, config: WorkerConfig):
+        self.conn, self.config = conn, config
+        self.client = llm.make_client(config.model, config.concurrency)
+        self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
+        self.running: dict[str, asyncio.Task] = {}
+
+    def send(self, message: tuple) -> None:
+        self.conn.send(message)
+
+    def tools_for(self, toolsets: list[str]) -> tuple[list[ToolSpec], list[dict]]:
+        """Schemas are built once per toolset combination, not per prompt."""
+        combo = tuple(toolsets)
+        if combo not in self.schemas:
+            tools = model_tools.offered_tools(toolsets)
+            self.schemas[combo] = (tools, [t.schema() for t in tools])
+        return self.schemas[combo]
+
+    async def run_one(self, task: Task) -> None:
+        prompt = _Prompt(task, self.config)
+        tools, schemas = self.tools_for(task.toolsets_offered)
+        ctx = ToolContext(sandbox=prompt.get_sandbox, command_timeout=self.config.sandbox.command_timeout)
+        result = Result(task.key, task.prompt_index, task.batch_num)
+        try:
+            async with asyncio.timeout(self.config.model.prompt_timeout):
+                result.row = await agent.run_conversation(
+                    task, self.client, self.config.model, tools, schemas, ctx, lambda: self.send(("throttle",))
+                )
+        except TimeoutError:
+            result.error_class, result.message = PromptTimeout.__name__, (
+                f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s"
+            )
+        except FatalAPIError as e:
+            result.error_class, result.message = FatalAPIError.__name__, str(e)
+            self.send(("fatal", str(e)))
+        except Exception as e:  # any other error fails this prompt only; resume retries it
+            result.error_class, result.message = type(e).__name__, str(e)[:2000]
+            if self.config.verbose:
+                self.send(("log", f"{task.key}: {traceback.format_exc()}"))
+        finally:
+            await prompt.close()
+            self.running.pop(task.key, None)
+        self.send(("result", result))
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def read() -> None:  # blocking pipe reads stay off the event loop
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    message = ("stop",)
+                loop.call_soon_threadsafe(inbox.put_nowait, message)
+                if message[0] == "stop":
+                    return
+
+        threading.Thread(target=read, daemon=True).start()
+        while True:
+            message = await inbox.get()
+            if message[0] == "task":
+                task = message[1]
+                self.running[task.key] = asyncio.create_task(self.run_one(task))
+            elif message[0] in ("cancel", "stop"):
+                pending = list(self.running.values())
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                if message[0] == "stop":
+                    break
+                self.send(("cancelled",))
+        await self.client.close()
+
+
+def _worker_main(conn: Connection, config: WorkerConfig) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    asyncio.run(_Worker(conn, config).serve())
+
+
+@dataclass
+class _Handle:
+    process: mp.Process
+    conn: Connection
+    inflight: dict[str, Task] = field(default_factory=dict)
+
+
+class ProcessPool:
+    """`num_workers` processes; each holds up to its share of the run's concurrency."""
+
+    def __init__(self, num_workers: int, config: WorkerConfig):
+        self.num_workers = num_workers
+        self.config = config
+        self.ctx = mp.get_context("spawn")
+        self.workers: list[_Handle] = []
+
+    def start(self) -> None:
+        self.workers = [self._spawn() for _ in range(self.num_workers)]
+
+    def _spawn(self) -> _Handle:
+        parent_end, child_end = self.ctx.Pipe()
+        process = self.ctx.Process(target=_worker_main, args=(child_end, self.config), daemon=True)
+        process.start()
+        child_end.close()
+        return _Handle(process, parent_end)
+
+    @property
+    def inflight(self) -> int:
+        return sum(len(w.inflight) for w in self.workers)
+
+    def submit(self, task: Task) -> None:
+        worker = min(self.workers, key=lambda w: len(w.inflight))
+        worker.inflight[task.key] = task
+        worker.conn.send(("task", task))
+
+    def poll(self, timeout: float) -> list[tuple]:
+        """Messages from the workers; a dead worker's prompts come back as failed and it is replaced."""
+        conns = {w.conn: w for w in self.workers}
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        messages: list[tuple] = []
+        for ready in wait([*conns, *sentinels], timeout):
+            worker = conns.get(ready) or sentinels[ready]
+            if ready in conns:
+                try:
+                    while worker.conn.poll():
+                        message = worker.conn.recv()
+                        if message[0] == "result":
+                            worker.inflight.pop(message[1].key, None)
+                        messages.append(message)
+                except (EOFError, OSError):
+                    pass
+            if not worker.process.is_alive() and worker in self.workers:
+                messages.extend(self._replace(worker))
+        return messages
+
+    def _replace(self, worker: _Handle) -> list[tuple]:
+        self.workers.remove(worker)
+        worker.conn.close()
+        self.workers.append(self._spawn())
+        code = worker.process.exitcode
+        return [
+            ("result", Result(t.key, t.prompt_index, t.batch_num, error_class=WorkerCrashed.__name__,
+                              message=f"worker process died (exit code {code})"))
+            for t in worker.inflight.values()
+        ]
+
+    def cancel(self, timeout: float = 10.0) -> list[tuple]:
+        """Cancel every conversation in flight (their sandboxes are closed); results that were
+        already on their way are returned so that no finished prompt is lost."""
+        for w in self.workers:
+            w.conn.send(("cancel",))
+        waiting = {w.conn: w for w in self.workers}
+        arrived: list[tuple] = []
+        while waiting:
+            ready = wait(list(waiting), timeout)
+            if not ready:
+                break
+            for conn in ready:
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    message = ("cancelled",)
+                if message[0] == "cancelled":
+                    waiting.pop(conn).inflight.clear()
+                else:
+                    arrived.append(message)
+        return arrived
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self.workers:
+            w.process.join(timeout=10)
+            if w.process.is_alive():
+                w.process.kill()
+
+
+def worker_share(concurrency: int, num_workers: int) -> int:
+    return max(1, math.ceil(concurrency / num_workers))
