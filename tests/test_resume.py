@@ -1,0 +1,177 @@
+"""Resume never loses or repeats a prompt: kills, interrupts, failures, API errors, changed datasets."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+
+
+def _prompts(rows: list[dict]) -> list[str]:
+    return [r["conversations"][1]["value"] for r in rows]
+
+
+def _wait_for_rows(path, count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(1 for p in path.glob("batch_*.jsonl") for _ in p.open()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} rows after {timeout} s")
+
+
+def _landed_prompts(run_dir) -> set[str]:
+    return {r["conversations"][1]["value"] for p in run_dir.glob("batch_*.jsonl")
+            for r in read_jsonl(p) if p.read_text().endswith("\n")}
+
+
+def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server):
+    server = scripted_server({"default": [{**call("terminal", command="echo hi"), "delay": 0.15}, {**think(), "delay": 0.15}]})
+    names = [f"prompt {i}" for i in range(40)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
+    _wait_for_rows(cli.run_dir(), 10)
+    kill_group(process)  # the parent and its workers, as a machine crash would
+    landed = _landed_prompts(cli.run_dir())
+    assert 10 <= len(landed) < 40
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, batch_size=5, concurrency=4, resume=True))
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert sorted(_prompts(rows)) == sorted(names)
+    asked_again = {r["prompt"] for r in server.requests()[before:]}
+    assert not asked_again & landed
+    old_batches = {int(p.stem.split("_")[1]) for p in cli.run_dir().glob("batch_*.jsonl")}
+    assert len(old_batches) > 1
+
+
+def test_duplicates_stay_duplicated_across_resume(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "same"}] * 3 + [{"prompt": "other"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["other", "same", "same", "same"]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "same"}] * 4 + [{"prompt": "other"}])
+    before = len(server.requests())
+    assert cli.run(*cli.args(server, resume=True)).returncode == 0
+    assert [r["prompt"] for r in server.requests()[before:]] == ["same"]
+    assert _prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl")).count("same") == 4
+
+
+def test_reordered_dataset_with_inserted_prompts_runs_only_the_new_ones(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("a", "b", "c")])
+    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("new1", "c", "a", "new2", "b")])
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, batch_size=2, resume=True))
+    assert done.returncode == 0, done.stderr
+    assert sorted(r["prompt"] for r in server.requests()[before:]) == ["new1", "new2"]
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["a", "b", "c", "new1", "new2"]
+    # old batch files are untouched; the new prompts went to batch numbers after them
+    new_rows = read_jsonl(cli.run_dir() / "batch_2.jsonl")
+    assert {r["conversations"][1]["value"] for r in new_rows} == {"new1", "new2"}
+    assert {r["prompt_index"] for r in new_rows} == {0, 3}
+    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    assert statistics["ok"] == 5 and statistics["total_batches"] == 3
+
+
+def test_failed_prompts_are_retried_by_resume_once_the_server_heals(cli, scripted_server):
+    server = scripted_server({"prompts": {"flaky": [{"status": 500, "error": "down"}]}, "default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "flaky"}, {"prompt": "fine"}])
+    first = cli.run(*cli.args(server, max_retries=0))
+    assert first.returncode == 1
+    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("InternalServerError", 0)]
+    assert _prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == ["fine"]
+    server.set_script({"default": [think()]})
+    before = len(server.requests())
+    second = cli.run(*cli.args(server, max_retries=0, resume=True))
+    assert second.returncode == 0, second.stderr
+    assert [r["prompt"] for r in server.requests()[before:]] == ["flaky"]
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
+    assert json.loads((cli.run_dir() / "statistics.json").read_text())["failed"]["total"] == 0
+
+
+def test_429_with_retry_after_and_500s_are_retried(cli, scripted_server):
+    server = scripted_server({"prompts": {
+        "limited": [{"status": 429, "retry_after": "1", "times": 2, "then": think()}],
+        "broken": [{"status": 500, "times": 2, "then": think()}],
+    }})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "limited"}, {"prompt": "broken"}])
+    done = cli.run(*cli.args(server, max_retries=3))
+    assert done.returncode == 0, done.stderr
+    limited = [r["t"] for r in server.requests() if r["prompt"] == "limited"]
+    assert len(limited) == 3 and limited[2] - limited[0] >= 2.0  # Retry-After: 1 was honoured twice
+    assert len([r for r in server.requests() if r["prompt"] == "broken"]) == 3
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
+
+
+def test_dead_endpoint_fails_within_the_retry_budget(cli, scripted_server):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    server = scripted_server({})
+    server.url = f"http://127.0.0.1:{port}/v1"
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    started = time.monotonic()
+    done = cli.run(*cli.args(server, max_retries=2), timeout=60)
+    assert done.returncode == 1 and time.monotonic() - started < 30
+    assert "APIConnectionError" in done.stdout + done.stderr
+    assert read_jsonl(cli.run_dir() / "trajectories.jsonl") == []
+    assert {f["error_class"] for f in read_jsonl(cli.run_dir() / "failures.jsonl")} == {"APIConnectionError"}
+
+
+def test_401_stops_the_whole_run(cli, scripted_server):
+    server = scripted_server({"default": [{"status": 401, "error": "invalid key"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(30)])
+    done = cli.run(*cli.args(server, concurrency=2, batch_size=5))
+    assert done.returncode == 1
+    assert "authentication failed" in done.stderr and "--resume" in done.stderr
+    assert len(server.requests()) <= 4  # not one request per prompt
+    assert read_jsonl(cli.run_dir() / "trajectories.jsonl") == []
+
+
+def test_sigint_mid_run_then_resume(cli, scripted_server, tmp_path):
+    server = scripted_server({"default": [{**call("terminal", command="sleep 0.2; echo hi"), "delay": 0.1}, think()]})
+    names = [f"prompt {i}" for i in range(30)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
+    _wait_for_rows(cli.run_dir(), 6)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "--resume" in stderr
+    checkpoint = json.loads((cli.run_dir() / "checkpoint.json").read_text())
+    assert checkpoint["remaining_this_invocation"] > 0
+    landed = _landed_prompts(cli.run_dir())
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, batch_size=5, concurrency=4, resume=True))
+    assert done.returncode == 0, done.stderr
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+    assert not {r["prompt"] for r in server.requests()[before:]} & landed
+
+
+def test_torn_last_line_is_reported_and_ignored(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    batch = cli.run_dir() / "batch_0.jsonl"
+    lines = batch.read_text().splitlines(keepends=True)
+    torn_prompt = json.loads(lines[-1])["conversations"][1]["value"]
+    batch.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # a kill mid-write
+    done = cli.run(*cli.args(server, resume=True))
+    assert done.returncode == 0, done.stderr
+    assert "torn" in done.stderr and "batch_0.jsonl:2" in done.stderr
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["a", "b"]
+    assert [r["prompt"] for r in server.requests()[2:]] == [torn_prompt]
+
+
+def test_resume_with_changed_model_needs_force(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    changed = cli.run(*cli.args(server, model="other-model", resume=True))
+    assert changed.returncode == 2 and "model: 'test-model' -> 'other-model'" in changed.stderr
+    assert cli.run(*cli.args(server, model="other-model", resume=True, force=True)).returncode == 0
