@@ -192,3 +192,18 @@ def test_a_rerun_samples_the_same_toolsets(cli, scripted_server):
     sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"] for r in read_jsonl(cli.run_dir(n) / "trajectories.jsonl")}
                for n in ("one", "two")]
     assert sampled[0] == sampled[1] and len({tuple(v) for v in sampled[0].values()}) > 1
+
+
+def test_the_api_key_reaches_neither_the_sandbox_nor_the_run_directory(cli, scripted_server):
+    server = scripted_server({"default": [call("terminal", command="env; cat /proc/1/environ | tr '\\0' '\\n'"),
+                                          think("done")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "show env"}])
+    done = cli.run(*cli.args(server, api_key="sk-SECRET-FLAG"), env={"OPENROUTER_API_KEY": "sk-SECRET-ENV"})
+    assert done.returncode == 0, done.stderr
+    assert server.requests()[0]["auth"] == "Bearer sk-SECRET-FLAG"
+    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    assert "PATH=" in row["conversations"][3]["value"]  # the command really printed its environment
+    for path in cli.run_dir().iterdir():
+        text = path.read_text()
+        assert "sk-SECRET" not in text, path.name
+    assert "sk-SECRET" not in done.stdout + done.stderr

@@ -1,0 +1,135 @@
+"""Reasoning capture, the quality filters, and statistics that agree with the files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import batch_runner
+from tests.conftest import call, read_jsonl, write_jsonl
+
+FORMS = {
+    "field reasoning": {"content": "answer", "reasoning": "R1"},
+    "field reasoning_content": {"content": "answer", "reasoning_content": "R2"},
+    "field reasoning_details": {"content": "answer", "reasoning_details": [{"type": "reasoning.text", "text": "R3"}]},
+    "tag think": {"content": "<think>R4</think>answer"},
+    "tag thinking": {"content": "<thinking>R5</thinking>\nanswer"},
+    "tag reasoning": {"content": "<reasoning>R6</reasoning>answer"},
+    "tag scratchpad": {"content": "<REASONING_SCRATCHPAD>R7</REASONING_SCRATCHPAD>answer"},
+}
+
+
+def _stats(cli) -> dict:
+    return json.loads((cli.run_dir() / "statistics.json").read_text())
+
+
+def test_reasoning_in_every_form_is_captured_as_one_leading_think(cli, scripted_server):
+    server = scripted_server({"prompts": {name: [reply] for name, reply in FORMS.items()}})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": name} for name in FORMS])
+    done = cli.run(*cli.args(server))
+    assert done.returncode == 0, done.stderr
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    assert len(rows) == len(FORMS)
+    for i, name in enumerate(FORMS, 1):
+        assert rows[name]["conversations"][-1]["value"] == f"<think>\nR{i}\n</think>\nanswer"
+    assert _stats(cli)["reasoning_statistics"]["coverage_percent"] == 100.0
+
+
+def test_samples_without_reasoning_are_discarded_counted_and_not_redone(cli, scripted_server):
+    server = scripted_server({"prompts": {"plain": [{"content": "no thoughts"}]},
+                              "default": [{"content": "ok", "reasoning": "thought"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "plain"}, {"prompt": "thinks"}])
+    done = cli.run(*cli.args(server))
+    assert done.returncode == 0, done.stderr
+    assert [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")] == ["thinks"]
+    discarded = read_jsonl(cli.run_dir() / "discarded.jsonl")
+    assert [(d["reason"], d["row"]["conversations"][1]["value"]) for d in discarded] == [("no_reasoning", "plain")]
+    stats = _stats(cli)
+    assert stats["discarded"] == {"total": 1, "by_reason": {"no_reasoning": 1}}
+    # the discarded sample's turn is in the denominator: coverage is 1 of 2, not 100%
+    assert stats["reasoning_statistics"] == {"total_assistant_turns": 2, "turns_with_reasoning": 1,
+                                             "turns_without_reasoning": 1, "coverage_percent": 50.0}
+    before = len(server.requests())
+    assert cli.run(*cli.args(server, resume=True)).returncode == 0
+    assert len(server.requests()) == before
+    kept = cli.run(*cli.args(server, run_name="keep", require_reasoning=False))
+    assert kept.returncode == 0
+    assert len(read_jsonl(cli.run_dir("keep") / "trajectories.jsonl")) == 2
+
+
+def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(cli, scripted_server):
+    server = scripted_server({"prompts": {
+        "invent": [call("teleport", where="mars"), {"content": "done", "reasoning": "r"}],
+        "honest": [call("terminal", command="echo ok"), {"content": "done", "reasoning": "r"}],
+    }})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "invent"}, {"prompt": "honest"}])
+    done = cli.run(*cli.args(server))
+    assert done.returncode == 0, done.stderr
+    kept = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert [r["conversations"][1]["value"] for r in kept] == ["honest"]
+    in_batch = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "batch_0.jsonl")}
+    assert in_batch["invent"]["metadata"]["hallucinated_tools"] == ["teleport"]
+    assert in_batch["invent"]["tool_stats"]["teleport"] == {"count": 1, "success": 0, "failure": 1}
+    # the model was told, as a tool error, and went on
+    assert "unknown tool 'teleport'" in in_batch["invent"]["conversations"][3]["value"]
+    stats = _stats(cli)
+    assert stats["filtered_hallucinated"] == 1 and stats["kept"] == 1
+    assert "teleport" not in stats["tool_statistics"]
+    assert stats["filtered_tool_statistics"]["hallucinated"]["teleport"]["failure"] == 1
+    assert stats["tool_statistics"]["terminal"]["success"] == 1
+    keep = cli.run(*cli.args(server, run_name="keep", keep_hallucinated=True))
+    assert keep.returncode == 0
+    assert len(read_jsonl(cli.run_dir("keep") / "trajectories.jsonl")) == 2
+
+
+def test_statistics_of_a_resumed_run_cover_both_parts(cli, scripted_server):
+    server = scripted_server({"default": [call("terminal", command="true"), {"content": "x", "reasoning": "r",
+                                                                              "usage": {"cost": 0.25}}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("a", "b", "c")])
+    assert cli.run(*cli.args(server, resume=True)).returncode == 0
+    stats = _stats(cli)
+    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert stats["ok"] == len(rows) == 3 and stats["total_prompts"] == 3
+    assert stats["tool_statistics"]["terminal"]["count"] == sum(r["tool_stats"]["terminal"]["count"] for r in rows) == 3
+    assert stats["api_calls"] == sum(r["api_calls"] for r in rows) == 6
+    assert stats["cost"] == pytest.approx(0.75)
+    assert stats["tokens"]["prompt"] == sum(r["metadata"]["usage"]["prompt_tokens"] for r in rows)
+    assert stats["duration_seconds_total"] > stats["duration_seconds"]
+
+
+def test_reasoning_effort_ephemeral_prompt_and_prefill_reach_the_request_only(cli, scripted_server):
+    server = scripted_server({"default": [{"content": "x", "reasoning": "r"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    (cli.cwd / "prefill.json").write_text(json.dumps([{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello"}]))
+    done = cli.run(*cli.args(server, reasoning_effort="high", ephemeral_system_prompt="SECRET-STEER",
+                             prefill_messages_file="prefill.json"))
+    assert done.returncode == 0, done.stderr
+    body = server.requests()[0]["body"]
+    assert body["reasoning_effort"] == "high"
+    assert "SECRET-STEER" in body["messages"][0]["content"]
+    assert [m["content"] for m in body["messages"][1:]] == ["hi", "hello", "a"]
+    text = (cli.run_dir() / "trajectories.jsonl").read_text()
+    assert "SECRET-STEER" not in text and "hello" not in text
+    row = json.loads(text)
+    assert row["conversations"][0]["value"] == batch_runner.DEFAULT_SYSTEM_PROMPT
+
+
+def test_bad_prefill_file_is_a_usage_error(cli, scripted_server):
+    server = scripted_server({})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    (cli.cwd / "prefill.json").write_text('{"role": "user"}')
+    done = cli.run(*cli.args(server, prefill_messages_file="prefill.json"))
+    assert done.returncode == 2 and "must be a JSON list" in done.stderr and server.requests() == []
+
+
+def test_openrouter_gets_its_own_reasoning_and_provider_objects():
+    opts = {"providers_allowed": ("a", "b"), "providers_ignored": "c", "providers_order": None,
+            "provider_sort": "latency", "reasoning_effort": "low", "reasoning_disabled": False}
+    body, effort, said = batch_runner._extra_body("https://openrouter.ai/api/v1", opts)
+    assert body == {"provider": {"only": ["a", "b"], "ignore": ["c"], "sort": "latency"}, "reasoning": {"effort": "low"}}
+    assert effort is None and len(said) == 2
+    body, effort, _ = batch_runner._extra_body("http://127.0.0.1:8000/v1", {**opts, "reasoning_disabled": True})
+    assert "reasoning" not in body and effort == "none"
