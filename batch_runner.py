@@ -25,10 +25,11 @@ import fire
 import orjson
 
 import model_tools
-from toolset_distributions import TOOLSETS, get_distribution, sample_toolsets
+from toolset_distributions import get_distribution, sample_toolsets
 from trajgen import console, dataset, merge, store
 from trajgen.errors import FatalAPIError, ImageUnavailable, UsageError
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup
+from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Result, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
 
@@ -90,6 +91,7 @@ def main(
     prompt_timeout: float | None = None,
     require_reasoning: bool = True,
     keep_hallucinated: bool = False,
+    require_toolsets: bool = False,
     providers_allowed=None,
     providers_ignored=None,
     providers_order=None,
@@ -135,6 +137,7 @@ def main(
         prompt_timeout: Wall-clock seconds per prompt; past it the prompt fails (resume retries it).
         require_reasoning: Discard samples in which no assistant turn has reasoning.
         keep_hallucinated: Keep rows that call a tool that was not offered in trajectories.jsonl.
+        require_toolsets: Refuse to run when a sampled toolset or tool is unavailable here.
         providers_allowed: OpenRouter: only these providers (comma list).
         providers_ignored: OpenRouter: never these providers (comma list).
         providers_order: OpenRouter: try providers in this order (comma list).
@@ -212,10 +215,10 @@ def _prefill(path: str | None) -> list[dict]:
     return messages
 
 
-def _tasks(path: str, check: dataset.DatasetCheck, done: set[str], opts: dict, first_batch: int) -> Iterator[Task]:
+def _tasks(path: str, check: dataset.DatasetCheck, done: set[str], opts: dict, first_batch: int,
+           unavailable: dict[str, str]) -> Iterator[Task]:
     """The plan: every prompt without a final record, in dataset order, in consecutive batches."""
     dist = get_distribution(opts["distribution"])
-    unavailable = model_tools.unavailable_toolsets(list(TOOLSETS))
     n = 0
     for entry in dataset.entries(path, check.duplicates, opts["max_samples"]):
         if entry.key in done:
@@ -314,13 +317,21 @@ def run(**opts) -> int:
     scan = _prepare_run_dir(run_dir, opts, manifest)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
-    tasks = lambda: _tasks(path, check, scan.done, opts, scan.next_batch)  # noqa: E731 (streamed twice)
+    tool_settings = ToolSettings(base_url=opts["base_url"], api_key=api_key, model=opts["model"],
+                                 files_dir=str(run_dir.resolve() / "files"))
+    unavailable_tools = model_tools.unavailable_tools(tool_settings)
+    unavailable_sets = model_tools.unavailable_toolsets(unavailable_tools)
+    tasks = lambda: _tasks(path, check, scan.done, opts, scan.next_batch, unavailable_sets)  # noqa: E731
     plan = _count(tasks(), scan.next_batch, opts["docker_image"] if backend == "docker" else None)
 
-    unavailable = model_tools.unavailable_toolsets(list(plan.sampled))
-    for toolset, reason in unavailable.items():
-        console.notice(f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s), "
-                       "which run without it")
+    missing = [f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s)"
+               for toolset, reason in unavailable_sets.items() if plan.sampled[toolset]]
+    missing += [f"tool {name} is unavailable ({reason})" for name, reason in unavailable_tools.items()
+                if plan.sampled[model_tools.REGISTRY[name].toolset] and model_tools.REGISTRY[name].toolset not in unavailable_sets]
+    if missing and opts["require_toolsets"]:
+        raise UsageError("--require_toolsets: " + "; ".join(missing))
+    for line in missing:
+        console.notice(f"{line}; prompts run without it (--require_toolsets makes this an error)")
     if backend == "local" and plan.rows_with_image:
         console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
                        "under the local backend they run in the local sandbox")
@@ -361,7 +372,8 @@ def run(**opts) -> int:
         system_prompt=DEFAULT_SYSTEM_PROMPT, ephemeral_system_prompt=opts["ephemeral_system_prompt"],
         prefill_messages=prefill,
     )
-    config = WorkerConfig(model, sandbox, worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
+    config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
+                          worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
     try:
         outcome = _execute(tasks(), plan, config, opts, run_dir, missing_images, previous, started)
     finally:
@@ -459,8 +471,7 @@ def _execute(tasks: Iterator[Task], plan: Plan, config: WorkerConfig, opts: dict
             checkpoint()
 
     def leave_now() -> None:
-        for w in pool.workers:
-            w.process.kill()
+        pool.kill()
         writer.close()
         cleanup(config.sandbox)
         console.err.print(f"\nstopped at once; resume with:\n  {_resume_command()}")

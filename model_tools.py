@@ -10,16 +10,19 @@ import inspect
 
 import orjson
 
-from trajgen.tools import ToolContext, ToolSpec
+from toolset_distributions import TOOLSETS
+
+from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.files import TOOLS as FILE_TOOLS
 from trajgen.tools.terminal import TOOLS as TERMINAL_TOOLS
 
-NOT_BUILT = "not built yet in this version"
+def _not_built(settings: ToolSettings) -> str:
+    return "not built yet in this version"
 
 
 def _planned(name: str, toolset: str, description: str, properties: dict, required: list[str]) -> ToolSpec:
     parameters = {"type": "object", "properties": properties, "required": required}
-    return ToolSpec(name, toolset, description, parameters, fn=None, unavailable=NOT_BUILT)
+    return ToolSpec(name, toolset, description, parameters, fn=None, unavailable=_not_built)
 
 
 _S = {"type": "string"}
@@ -46,18 +49,28 @@ def toolset_tools(toolset: str) -> list[ToolSpec]:
     return [t for t in REGISTRY.values() if t.toolset == toolset]
 
 
-def unavailable_toolsets(toolsets: list[str]) -> dict[str, str]:
-    """Toolset -> reason, for the sampled toolsets that cannot be offered here."""
+def unavailable_tools(settings: ToolSettings) -> dict[str, str]:
+    """Tool name -> one-line reason, for the tools that cannot be offered with these settings."""
     reasons = {}
-    for toolset in toolsets:
-        missing = [t.unavailable for t in toolset_tools(toolset) if t.unavailable]
-        if missing:
-            reasons[toolset] = missing[0]
+    for tool in REGISTRY.values():
+        reason = tool.unavailable(settings) if tool.unavailable else None
+        if reason:
+            reasons[tool.name] = reason
     return reasons
 
 
-def offered_tools(toolsets: list[str]) -> list[ToolSpec]:
-    return [t for ts in toolsets for t in toolset_tools(ts) if not t.unavailable]
+def unavailable_toolsets(unavailable: dict[str, str]) -> dict[str, str]:
+    """Toolset -> reason, for toolsets none of whose tools can be offered."""
+    reasons = {}
+    for toolset in TOOLSETS:
+        tools = toolset_tools(toolset)
+        if tools and all(t.name in unavailable for t in tools):
+            reasons[toolset] = unavailable[tools[0].name]
+    return reasons
+
+
+def offered_tools(toolsets: list[str], unavailable: dict[str, str]) -> list[ToolSpec]:
+    return [t for ts in toolsets for t in toolset_tools(ts) if t.name not in unavailable]
 
 
 async def dispatch(name: str, raw_arguments: str, offered: dict[str, ToolSpec], ctx: ToolContext) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trajgen.sandbox.config import SandboxConfig
+from trajgen.tools import ToolSettings
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ModelSettings:
 class WorkerConfig:
     model: ModelSettings
     sandbox: SandboxConfig
+    tools: ToolSettings
+    unavailable_tools: dict[str, str]  # decided once by the parent, so every worker offers the same
     concurrency: int  # conversations this worker may hold at once
     verbose: bool = False
 

@@ -28,11 +28,13 @@ from trajgen.work import Result, Task, WorkerConfig
 
 
 class _Prompt:
-    """One prompt's lazily opened sandbox."""
+    """One prompt's lazily opened sandbox and the cleanups its tools registered."""
 
     def __init__(self, task: Task, config: WorkerConfig):
         self.task, self.config = task, config
         self.sandbox: Sandbox | None = None
+        self.ctx = ToolContext(sandbox=self.get_sandbox, command_timeout=config.sandbox.command_timeout,
+                               settings=config.tools)
 
     async def get_sandbox(self) -> Sandbox:
         if self.sandbox is None:
@@ -42,8 +44,10 @@ class _Prompt:
         return self.sandbox
 
     async def close(self) -> None:
+        closers = [c() for c in self.ctx.cleanups]
         if self.sandbox is not None:
-            await asyncio.shield(self.sandbox.close())
+            closers.append(self.sandbox.close())
+        await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))
 
 
 class _Worker:
@@ -60,19 +64,18 @@ class _Worker:
         """Schemas are built once per toolset combination, not per prompt."""
         combo = tuple(toolsets)
         if combo not in self.schemas:
-            tools = model_tools.offered_tools(toolsets)
+            tools = model_tools.offered_tools(toolsets, self.config.unavailable_tools)
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
 
     async def run_one(self, task: Task) -> None:
         prompt = _Prompt(task, self.config)
         tools, schemas = self.tools_for(task.toolsets_offered)
-        ctx = ToolContext(sandbox=prompt.get_sandbox, command_timeout=self.config.sandbox.command_timeout)
         result = Result(task.key, task.prompt_index, task.batch_num)
         try:
             async with asyncio.timeout(self.config.model.prompt_timeout):
                 result.row = await agent.run_conversation(
-                    task, self.client, self.config.model, tools, schemas, ctx, lambda: self.send(("throttle",))
+                    task, self.client, self.config.model, tools, schemas, prompt.ctx, lambda: self.send(("throttle",))
                 )
         except TimeoutError:
             result.error_class, result.message = PromptTimeout.__name__, (
@@ -213,6 +216,11 @@ class ProcessPool:
                 else:
                     arrived.append(message)
         return arrived
+
+    def kill(self) -> None:
+        """Leave at once: the workers die, and with them (die-with-parent) their sandboxes' processes."""
+        for w in self.workers:
+            w.process.kill()
 
     def close(self) -> None:
         for w in self.workers:

@@ -12,12 +12,25 @@ from trajgen.sandbox import Sandbox
 
 
 @dataclass
+class ToolSettings:
+    """The run's settings that tools read: built once by the parent, pickled to every worker."""
+
+    base_url: str = ""  # the run's endpoint and key, for tools that call a model
+    api_key: str = ""
+    model: str = ""
+    files_dir: str = ""  # where tools save files for the user (inside the run directory)
+
+
+@dataclass
 class ToolContext:
-    """What a tool may use during one prompt: its lazily created sandbox and the run's limits."""
+    """What a tool may use during one prompt: its lazily created sandbox, the run's settings,
+    per-prompt state, and cleanups that run when the prompt ends (however it ends)."""
 
     sandbox: Callable[[], Awaitable[Sandbox]]
     command_timeout: float = 180.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    settings: ToolSettings = field(default_factory=ToolSettings)
+    state: dict[str, Any] = field(default_factory=dict)
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -27,7 +40,7 @@ class ToolSpec:
     description: str
     parameters: dict  # JSON schema of the arguments object
     fn: Callable[..., Awaitable[dict]] | None  # None: registered but not built
-    unavailable: str | None = None  # why the tool cannot be offered here, if it cannot
+    unavailable: Callable[[ToolSettings], str | None] | None = None  # why it cannot be offered here
 
     def schema(self) -> dict:
         return {
