@@ -97,7 +97,7 @@ def _busybox_rootfs(root: Path) -> None:
     for applet in applets:
         if applet != "busybox":
             (root / "bin" / applet).symlink_to("busybox")
-    (root / "tmp").mkdir(mode=0o1777)
+    (root / "tmp").mkdir()
     (root / "tmp").chmod(0o1777)
     (root / "etc").mkdir()
     (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")

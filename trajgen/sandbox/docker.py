@@ -102,7 +102,9 @@ class DockerSandbox:
 
     async def write_file(self, path: str, data: bytes) -> None:
         cid = await self._container()
-        code, _, err = await _docker("exec", "-i", cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout)
+        code, _, err = await _docker(
+            "exec", "-i", cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
+        )
         if code != 0:
             raise SandboxError(f"cannot write {path}: {_last_line(err)}")
 

@@ -70,8 +70,9 @@ async def run_process(
 ) -> ExecResult:
     """Run argv in a new session with stdout+stderr merged and capped; on timeout kill its group.
 
-    The group is killed after a normal exit too, ending background jobs the command left
-    (bwrap and docker end them anyway); `on_timeout` kills what lives beyond our reach.
+    The group is killed after a normal exit (ending background jobs the command left; bwrap
+    and docker end them anyway) and when the caller is cancelled too; `on_timeout` kills what
+    lives beyond our reach.
     The output pipe is our own, not asyncio's: asyncio's `wait()` would also wait for every
     process holding the pipe, such as a background job that escaped with setsid.
     """
@@ -102,8 +103,9 @@ async def run_process(
         await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         error = f"timed out after {timeout:g} s; the command and its children were killed"
-    _kill_group(proc.pid)
-    await proc.wait()
+    finally:  # a cancelled caller (prompt deadline, shutdown) must not leave the command running
+        _kill_group(proc.pid)
+        await proc.wait()
     if error and on_timeout:
         await on_timeout()
     try:  # a process that escaped the group may still hold the pipe: stop waiting for it
@@ -169,7 +171,7 @@ def _identity() -> tuple[list[str], list[str]]:
 def bwrap_argv(host_dir: str, cwd: str, network: bool, command: str) -> list[str]:
     identity, as_nobody = _identity()
     return [
-        "bwrap", *_system_binds(), "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc",
+        "bwrap", *_system_binds(), "--perms", "1777", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc",
         "--bind", host_dir, cwd, "--chdir", cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,

@@ -1,0 +1,130 @@
+"""The docker sandbox against a real engine (see tests/dockerd.py) and a busybox image."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from trajgen.sandbox import SandboxError
+from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
+
+pytest_plugins = ["tests.dockerd"]
+
+MISSING = "127.0.0.1:1/trajgen-missing:latest"  # a pull of it only ever tries the loopback
+
+
+@pytest.fixture
+def config(tmp_path, docker_engine):
+    config = SandboxConfig(backend="docker", root_dir=str(tmp_path / "sb"), command_timeout=30, memory_mb=256, max_processes=64)
+    yield config
+    cleanup(config)
+
+
+def run(sandbox, command: str, timeout: float = 30):
+    return asyncio.run(sandbox.run(command, timeout))
+
+
+def containers(label: str) -> list[str]:
+    listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=trajgen.session={label}"], capture_output=True, text=True)
+    return listed.stdout.split()
+
+
+def inspect(container: str, template: str) -> str:
+    return subprocess.run(["docker", "inspect", "-f", template, container], capture_output=True, text=True).stdout.strip()
+
+
+async def _session(sandbox, *commands: str):
+    """Several commands and a close in one event loop, as a worker would do them."""
+    results = [await sandbox.run(command, 30) for command in commands]
+    await sandbox.close()
+    return results
+
+
+def test_runs_in_the_image_at_the_cwd_without_network(config, busybox_image, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    sandbox = open_sandbox(config, "p1", busybox_image, "/srv/app")
+    result = run(sandbox, "pwd; command -v bash || echo no-bash; env; cat /proc/net/dev")
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert lines[:2] == ["/srv/app", "no-bash"]
+    assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
+    interfaces = [line.split(":")[0].strip() for line in lines if ":" in line and "|" not in line and "=" not in line]
+    assert interfaces == ["lo"]
+    [container] = containers(config.label)
+    settings = inspect(container, "{{.Config.Image}} {{.HostConfig.NetworkMode}} {{.HostConfig.PidsLimit}}")
+    assert settings == f"{busybox_image} none 64"
+    asyncio.run(sandbox.close())
+
+
+def test_timeout_kills_the_command_and_its_children(config, busybox_image):
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+    started = time.monotonic()
+    timed_out, after = asyncio.run(_session_timeout(sandbox))
+    assert time.monotonic() - started < 20
+    assert timed_out.exit_code is None and timed_out.error.startswith("timed out after 2 s")
+    assert "begun" in timed_out.output
+    assert "sleep 425" not in after.output  # nothing survived, and the container still works
+    assert after.exit_code == 0
+
+
+async def _session_timeout(sandbox):
+    timed_out = await sandbox.run("setsid sleep 4251 & (sleep 4252 &); echo begun; sleep 4253", 2)
+    after = await sandbox.run("ps", 30)
+    await sandbox.close()
+    return timed_out, after
+
+
+def test_files_go_through_the_container(config, busybox_image):
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+
+    async def session():
+        await sandbox.write_file("sub/dir/x.txt", b"line\n")
+        shown = await sandbox.run("cat /workspace/sub/dir/x.txt; echo more >> sub/dir/x.txt", 30)
+        content = await sandbox.read_file("/workspace/sub/dir/x.txt")
+        with pytest.raises(SandboxError, match="No such file"):
+            await sandbox.read_file("absent.txt")
+        await sandbox.close()
+        return shown, content
+
+    shown, content = asyncio.run(session())
+    assert shown.output == "line\n"
+    assert content == b"line\nmore\n"
+
+
+def test_missing_image_fails_clearly_and_check_images_says_why(config, busybox_image):
+    sandbox = open_sandbox(config, "p1", MISSING, None)
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match="cannot start a container from image 127.0.0.1:1/trajgen-missing"):
+        run(sandbox, "true")
+    report = asyncio.run(check_images([busybox_image, MISSING, busybox_image], config))
+    assert time.monotonic() - started < 30
+    assert list(report) == [busybox_image, MISSING]
+    assert report[busybox_image] is None
+    assert "not available locally and pulling it failed" in report[MISSING]
+
+
+def test_close_removes_the_container_unless_kept(config, busybox_image):
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+    asyncio.run(_session(sandbox, "true"))
+    assert containers(config.label) == []
+    kept_config = SandboxConfig(backend="docker", root_dir=config.root_dir, label=config.label, keep=True)
+    asyncio.run(_session(open_sandbox(kept_config, "p2", busybox_image, None), "true"))
+    assert len(containers(config.label)) == 1
+    cleanup(kept_config)  # keep: cleanup leaves it too (the fixture's cleanup removes it)
+    assert len(containers(config.label)) == 1
+
+
+def test_cleanup_removes_only_this_sessions_containers(config, busybox_image, tmp_path):
+    other = SandboxConfig(backend="docker", root_dir=str(tmp_path / "other"))
+    for key in ("a", "b"):
+        run(open_sandbox(config, key, busybox_image, None), "true")  # never closed, like after a crash
+    run(open_sandbox(other, "c", busybox_image, None), "true")
+    assert len(containers(config.label)) == 2
+    cleanup(config)
+    cleanup(config)
+    assert containers(config.label) == []
+    assert len(containers(other.label)) == 1
+    cleanup(other)
+    assert containers(other.label) == []

@@ -1,0 +1,245 @@
+"""The bubblewrap sandbox, tested for what a user would notice if it leaked."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trajgen.sandbox import SandboxError
+from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.local import OUTPUT_CAP, LocalSandbox
+
+pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
+
+
+@pytest.fixture
+def config(tmp_path: Path):
+    config = SandboxConfig(root_dir=str(tmp_path / "sandboxes"), command_timeout=30)
+    yield config
+    cleanup(config)
+
+
+def run(sandbox, command: str, timeout: float = 30):
+    return asyncio.run(sandbox.run(command, timeout))
+
+
+def survivors(marker: str) -> str:
+    """Live processes whose command line contains marker (zombies have none, so they do not count)."""
+    return subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
+
+
+def test_command_runs_as_nobody_in_workspace_with_a_clean_env(config, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    sandbox = open_sandbox(config, "p1", None, None)
+    result = run(sandbox, "id -u; pwd; env; cat /etc/shadow")
+    assert result.error is None
+    uid, cwd = result.output.splitlines()[:2]
+    assert (uid, cwd) == ("65534", "/workspace")
+    assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
+    assert "HOME=/workspace" in result.output
+    assert "Permission denied" in result.output or "No such file" in result.output
+    assert result.exit_code != 0
+
+
+def test_state_persists_in_files_between_commands(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    assert run(sandbox, "mkdir sub && cd sub && echo kept > note.txt").exit_code == 0
+    result = run(sandbox, "pwd; cat sub/note.txt")
+    assert result.output == "/workspace\nkept\n"
+
+
+def test_command_cannot_write_outside_its_work_dir(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    marker = f"trajgen-escape-{uuid.uuid4().hex}"
+    result = run(sandbox, f"touch /tmp/{marker} && echo tmp-ok; touch /usr/{marker} /etc/{marker} {config.root_dir}/{marker}")
+    assert "tmp-ok" in result.output  # the sandbox's /tmp is its own tmpfs
+    assert result.exit_code != 0
+    for place in ("/tmp", "/usr", "/etc", config.root_dir):
+        assert not os.path.exists(f"{place}/{marker}")
+
+
+def test_prompts_cannot_see_each_others_files(config):
+    first = open_sandbox(config, "first", None, None)
+    second = open_sandbox(config, "second", None, None)
+    asyncio.run(first.write_file("secret.txt", b"TOKEN-1234"))
+    # run both at once: each sees only its own work dir at /workspace
+    a, listing, peek = asyncio.run(_gather(
+        first.run("sleep 0.5; cat secret.txt", 30),
+        second.run("ls -A /workspace", 30),
+        second.run(f"cat {first.host_dir}/secret.txt /workspace/../first/secret.txt; ls -R {config.root_dir}", 30),
+    ))
+    assert a.output == "TOKEN-1234"
+    assert listing.output == ""
+    assert "TOKEN-1234" not in peek.output and peek.exit_code != 0
+    with pytest.raises(SandboxError):
+        asyncio.run(second.read_file(f"{first.host_dir}/secret.txt"))
+
+
+async def _gather(*coroutines):
+    return await asyncio.gather(*coroutines)
+
+
+def test_home_repo_and_test_files_are_invisible(config, tmp_path):
+    (tmp_path / "test-secret.txt").write_text("hidden")
+    home = os.path.expanduser("~")
+    entries = [e for e in os.listdir(home) if e != ".pyenv"]
+    sandbox = open_sandbox(config, "p1", None, None)
+    probes = [str(tmp_path / "test-secret.txt"), os.getcwd(), *(f"{home}/{e}" for e in entries)]
+    result = run(sandbox, "; ".join(f"test -e {p} && echo VISIBLE {p}" for p in probes) + "; true")
+    assert "VISIBLE" not in result.output
+
+
+def test_timeout_kills_the_command_and_all_its_children(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    started = time.monotonic()
+    result = run(sandbox, "setsid sleep 4242 & (sleep 4243 &); echo begun; sleep 4244", timeout=1)
+    assert time.monotonic() - started < 10
+    assert result.exit_code is None
+    assert result.error == "timed out after 1 s; the command and its children were killed"
+    assert "begun" in result.output
+    time.sleep(0.2)
+    assert survivors("sleep 424") == ""
+
+
+def test_a_cancelled_command_leaves_nothing_running(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+
+    async def cancel_midway():
+        task = asyncio.create_task(sandbox.run("setsid sleep 4261 & sleep 4262", 60))
+        await asyncio.sleep(1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    time.sleep(0.2)
+    assert survivors("sleep 426") == ""
+
+
+def test_background_jobs_end_with_the_command(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    started = time.monotonic()
+    result = run(sandbox, "setsid sleep 4245 & echo started")
+    assert (result.output, result.exit_code) == ("started\n", 0)
+    assert time.monotonic() - started < 5
+    time.sleep(0.2)
+    assert survivors("sleep 4245") == ""
+
+
+def _connect_probe(port: int) -> str:
+    return (
+        "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", %d), timeout=3); print(\"CONNECTED\")'" % port
+    )
+
+
+def test_no_network_by_default(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        closed = SandboxConfig(root_dir=str(tmp_path / "closed"))
+        opened = SandboxConfig(root_dir=str(tmp_path / "opened"), network=True)
+        try:
+            blocked = run(open_sandbox(closed, "p1", None, None), _connect_probe(port))
+            allowed = run(open_sandbox(opened, "p1", None, None), _connect_probe(port))
+        finally:
+            cleanup(closed)
+            cleanup(opened)
+    assert "CONNECTED" not in blocked.output and blocked.exit_code != 0
+    assert "CONNECTED" in allowed.output  # the probe itself works when the network is shared
+
+
+def test_output_is_capped_keeping_head_and_tail(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    result = run(sandbox, "echo FIRST-LINE; head -c 300000 /dev/zero | tr '\\0' x; echo; echo LAST-LINE")
+    assert result.output.startswith("FIRST-LINE\n")
+    assert result.output.endswith("LAST-LINE\n")
+    assert "bytes of output cut" in result.output
+    assert len(result.output) < OUTPUT_CAP + 100
+
+
+def test_resource_limits_apply(tmp_path):
+    config = SandboxConfig(root_dir=str(tmp_path / "sb"), file_size_mb=1, cpu_seconds=7, max_processes=99, memory_mb=300)
+    try:
+        sandbox = open_sandbox(config, "p1", None, None)
+        limits = run(sandbox, "ulimit -t; ulimit -u; ulimit -f; ulimit -d")
+        big = run(sandbox, "head -c 2000000 /dev/zero > big; wc -c < big")
+    finally:
+        cleanup(config)
+    assert limits.output.split() == ["7", "99", str(1024), str(300 * 1024)]
+    assert big.output.split()[-1] == "1048576"  # the write stopped at 1 MiB
+
+
+def test_files_map_to_the_work_dir_and_escapes_are_refused(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    asyncio.run(sandbox.write_file("a/b/new.txt", b"made by the host"))
+    assert asyncio.run(sandbox.read_file("/workspace/a/b/new.txt")) == b"made by the host"
+    # a host-written file belongs to the command's user: commands can change it
+    links = "ln -s /etc/passwd link && ln -s / root && ln -s new.txt a/b/alias"
+    assert run(sandbox, f"echo appended >> a/b/new.txt && {links}").exit_code == 0
+    assert asyncio.run(sandbox.read_file("a/b/alias")) == b"made by the host" + b"appended\n"
+    for path in ("/etc/passwd", "../x", "a/../../x", "/workspace/../etc/passwd", "link", "root/etc/passwd", ""):
+        with pytest.raises(SandboxError):
+            asyncio.run(sandbox.read_file(path))
+        with pytest.raises(SandboxError):
+            asyncio.run(sandbox.write_file(path, b"x"))
+    assert open("/etc/passwd", "rb").read() != b"x"
+
+
+def test_reading_a_fifo_is_refused_instead_of_hanging(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    run(sandbox, "mkfifo pipe")
+    with pytest.raises(SandboxError, match="not a regular file"):
+        asyncio.run(sandbox.read_file("pipe"))
+
+
+def test_work_dir_can_be_mounted_at_the_rows_cwd(config):
+    sandbox = open_sandbox(config, "p1", None, "/home/user/project")
+    assert sandbox.cwd == "/home/user/project"
+    asyncio.run(sandbox.write_file("/home/user/project/main.py", b"print(1)\n"))
+    assert run(sandbox, "pwd; cat main.py").output == "/home/user/project\nprint(1)\n"
+    for bad in ("relative/dir", "/usr/src", "/", "/proc/x"):
+        with pytest.raises(SandboxError):
+            open_sandbox(config, "p2", None, bad)
+
+
+def test_close_removes_the_work_dir_unless_kept(config, tmp_path):
+    sandbox = open_sandbox(config, "p1", None, None)
+    run(sandbox, "echo x > file")
+    asyncio.run(sandbox.close())
+    assert not os.path.exists(sandbox.host_dir)
+    kept_config = SandboxConfig(root_dir=str(tmp_path / "kept"), keep=True)
+    kept = open_sandbox(kept_config, "p1", None, None)
+    run(kept, "echo x > file")
+    asyncio.run(kept.close())
+    assert os.path.exists(os.path.join(kept.host_dir, "file"))
+
+
+def test_cleanup_removes_leftovers_and_can_repeat(config):
+    sandboxes = [open_sandbox(config, f"p{i}", None, None) for i in range(3)]
+    for sandbox in sandboxes:
+        run(sandbox, "echo left > behind")
+    cleanup(config)
+    assert not os.path.exists(config.root_dir)
+    cleanup(config)
+    assert run(open_sandbox(config, "p9", None, None), "echo fresh").output == "fresh\n"  # the run goes on
+
+
+def test_unsafe_local_still_scrubs_env_and_kills_its_group(config, monkeypatch):
+    """Without bubblewrap (here: forced), commands run directly in the work dir: no namespaces, same env and limits."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    host_dir = os.path.join(config.root_dir, "unsafe")
+    os.makedirs(host_dir)
+    sandbox = LocalSandbox(config, host_dir, host_dir, isolated=False)
+    result = run(sandbox, "pwd; env")
+    assert result.output.startswith(host_dir + "\n") and "sk-secret" not in result.output
+    timed_out = run(sandbox, "sleep 4246 & sleep 4247", timeout=1)
+    assert timed_out.exit_code is None and "timed out" in timed_out.error
+    time.sleep(0.2)
+    assert survivors("sleep 424[67]") == ""
