@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -28,7 +27,7 @@ import model_tools
 from toolset_distributions import get_distribution, sample_toolsets
 from trajgen import console, dataset, merge, store
 from trajgen.errors import FatalAPIError, ImageUnavailable, UsageError
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup
+from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, new_root_dir
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Result, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
@@ -351,7 +350,7 @@ def run(**opts) -> int:
     sandbox = SandboxConfig(
         backend=backend, command_timeout=float(opts["command_timeout"]), docker_image=opts["docker_image"],
         network=bool(opts["sandbox_network"]), keep=bool(opts["keep_sandboxes"]), unsafe_local=bool(opts["unsafe_local"]),
-        root_dir=tempfile.mkdtemp(prefix="trajgen-sandboxes-"), label=uuid.uuid4().hex[:12],
+        root_dir=new_root_dir(), label=uuid.uuid4().hex[:12],
     )
     missing_images: dict[str, str] = {}
     if backend == "docker" and plan.images:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 
@@ -45,6 +47,8 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     assert not asked_again & landed
     old_batches = {int(p.stem.split("_")[1]) for p in cli.run_dir().glob("batch_*.jsonl")}
     assert len(old_batches) > 1
+    # the killed runner could not clean up its sandboxes; the next run removed them
+    assert not list(Path(tempfile.gettempdir()).glob(f"trajgen-sandboxes-{process.pid}-*"))
 
 
 def test_duplicates_stay_duplicated_across_resume(cli, scripted_server):

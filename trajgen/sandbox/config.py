@@ -7,10 +7,12 @@ and after a worker crash, so nothing a crashed worker left behind survives the r
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from trajgen.sandbox import Sandbox, SandboxError
 from trajgen.sandbox.docker import DockerSandbox, check_image, remove_containers
@@ -27,13 +29,30 @@ class SandboxConfig:
     network: bool = False
     keep: bool = False  # leave work dirs and containers behind for debugging
     unsafe_local: bool = False  # without bubblewrap, run commands unisolated instead of failing
-    root_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="trajgen-sandboxes-"))
+    root_dir: str = field(default_factory=lambda: new_root_dir())
     label: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # session id on every container
     cpu_seconds: int = 600  # per process
     memory_mb: int = 4096  # local: per process (RLIMIT_DATA); docker: per container
     max_processes: int = 512  # local: per uid (RLIMIT_NPROC); docker: per container
     file_size_mb: int = 1024  # largest file a command may write
     cpus: float = 1.0  # docker only
+
+
+ROOT_PREFIX = "trajgen-sandboxes-"
+
+
+def new_root_dir() -> str:
+    """The run's sandbox root, named after the runner's pid so a later run can tell it is stale."""
+    sweep_stale_roots()
+    return tempfile.mkdtemp(prefix=f"{ROOT_PREFIX}{os.getpid()}-")
+
+
+def sweep_stale_roots() -> None:
+    """A runner killed with -9 cannot clean up: remove roots whose runner is gone."""
+    for path in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*"):
+        pid = path.name.removeprefix(ROOT_PREFIX).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def open_sandbox(config: SandboxConfig, key: str, image: str | None = None, cwd: str | None = None) -> Sandbox:

@@ -1,0 +1,44 @@
+"""End to end with the docker backend: per-prompt containers from the rows' images, a missing
+image failing only its prompts. Uses the private dockerd of tests/dockerd.py (no network)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.conftest import call, read_jsonl, think, write_jsonl
+
+pytest_plugins = ["tests.dockerd"]
+
+
+def _tool_output(row: dict, turn: int) -> dict:
+    value = row["conversations"][turn]["value"]
+    return json.loads(value.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
+
+
+def test_docker_run_uses_each_rows_image_and_cwd(cli, scripted_server, docker_engine, busybox_image):
+    server = scripted_server({"default": [
+        call("write_file", path="note.txt", content="from the model"),
+        call("terminal", command="pwd; cat note.txt; echo; hostname"),
+        think("done"),
+    ]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [
+        {"prompt": "in app", "image": busybox_image, "cwd": "/app"},
+        {"prompt": "in srv", "docker_image": busybox_image, "cwd": "/srv/work"},
+        {"prompt": "gone", "image": "127.0.0.1:1/missing/image:1"},
+    ])
+    done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
+    assert done.returncode == 1, done.stderr  # the missing image fails its prompt; the others go on
+    assert "127.0.0.1:1/missing/image:1 is unavailable" in done.stderr
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    assert set(rows) == {"in app", "in srv"}
+    app, srv = _tool_output(rows["in app"], 5), _tool_output(rows["in srv"], 5)
+    assert app["output"].startswith("/app\nfrom the model\n") and srv["output"].startswith("/srv/work\nfrom the model\n")
+    assert app["output"].split("\n")[2] != srv["output"].split("\n")[2]  # two containers, one per prompt
+    assert rows["in app"]["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
+    assert rows["in app"]["metadata"]["image"] == busybox_image
+    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 2)]
+    assert "gone" not in [r["prompt"] for r in server.requests()]  # no API call was paid for it
+    leftover = subprocess.run(["docker", "-H", docker_engine, "ps", "-aq", "--filter", "label=trajgen.session"],
+                              capture_output=True, text=True).stdout.split()
+    assert leftover == []
