@@ -10,26 +10,23 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import sys
 import time
 import uuid
-from collections import Counter
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 import fire
 import orjson
 
 import model_tools
-from toolset_distributions import get_distribution, sample_toolsets
-from trajgen import console, dataset, merge, store
-from trajgen.errors import FatalAPIError, ImageUnavailable, UsageError
+from toolset_distributions import get_distribution
+from trajgen import console, dataset, dry_run, export, merge, scheduler, store
+from trajgen import plan as plan_module
+from trajgen.errors import UsageError
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, new_root_dir
+from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.tools import ToolSettings
-from trajgen.work import ModelSettings, Result, Task, WorkerConfig
+from trajgen.work import ModelSettings, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
@@ -37,7 +34,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a capable assistant with access to tools. Think step by step, use the tools when they "
     "help, check your work, and end with a clear final answer."
 )
-SANDBOX_TOOLSETS = ("terminal", "file")
 SETTINGS_THAT_MATTER = ("model", "base_url", "distribution", "max_turns", "temperature", "top_p", "max_tokens",
                         "seed", "require_reasoning", "system_prompt")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -49,17 +45,6 @@ def as_list(value) -> list[str]:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
-
-
-@dataclass
-class Plan:
-    """The prompts this invocation will run, counted before the first request."""
-
-    remaining: int
-    first_batch: int
-    sampled: Counter
-    images: Counter  # image -> prompts that will open a container with it
-    rows_with_image: int
 
 
 def main(
@@ -77,6 +62,10 @@ def main(
     overwrite: bool = False,
     force: bool = False,
     list_distributions: bool = False,
+    export: str | None = None,
+    dry_run: bool = False,
+    max_cost: float | None = None,
+    max_total_tokens: int | None = None,
     verbose: bool = False,
     output_dir: str = "data",
     max_samples: int | None = None,
@@ -123,6 +112,10 @@ def main(
         overwrite: Delete an existing run directory of that name and start again.
         force: With --resume, accept a changed model, distribution or sampling settings.
         list_distributions: Print the toolset distributions and exit.
+        export: Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.
+        dry_run: Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.
+        max_cost: Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).
+        max_total_tokens: Stop admitting prompts once this invocation has used this many tokens.
         verbose: Print worker logs (tracebacks of failed prompts).
         output_dir: Parent directory of run directories.
         max_samples: Run only the first N valid prompts.
@@ -157,7 +150,7 @@ def main(
         return
     options = dict(locals())
     try:
-        code = run(**options)
+        code = run_export(options) if export else run(**options)
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
@@ -214,32 +207,6 @@ def _prefill(path: str | None) -> list[dict]:
     return messages
 
 
-def _tasks(path: str, check: dataset.DatasetCheck, done: set[str], opts: dict, first_batch: int,
-           unavailable: dict[str, str]) -> Iterator[Task]:
-    """The plan: every prompt without a final record, in dataset order, in consecutive batches."""
-    dist = get_distribution(opts["distribution"])
-    n = 0
-    for entry in dataset.entries(path, check.duplicates, opts["max_samples"]):
-        if entry.key in done:
-            continue
-        sampled = sample_toolsets(dist, opts["seed"], entry.key)
-        extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
-        yield Task(entry.key, entry.index, first_batch + n // opts["batch_size"], entry.prompt, entry.image, entry.cwd,
-                   extra, sampled, [t for t in sampled if t not in unavailable])
-        n += 1
-
-
-def _count(tasks: Iterator[Task], first_batch: int, docker_image: str | None) -> Plan:
-    plan = Plan(0, first_batch, Counter(), Counter(), 0)
-    for task in tasks:
-        plan.remaining += 1
-        plan.sampled.update(task.toolsets_sampled)
-        plan.rows_with_image += task.image is not None
-        if docker_image and any(t in SANDBOX_TOOLSETS for t in task.toolsets_offered):
-            plan.images[task.image or docker_image] += 1
-    return plan
-
-
 def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
     exists = run_dir.exists() and any(run_dir.iterdir())
@@ -256,8 +223,21 @@ def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
     return store.scan(run_dir)
 
 
-def run(**opts) -> int:
-    started = time.monotonic()
+def run_export(opts: dict) -> int:
+    if opts["export"] not in export.FORMATS:
+        raise UsageError(f"--export must be one of {', '.join(export.FORMATS)}, got {opts['export']!r}")
+    if opts["run_name"] is None:
+        raise UsageError("--export needs --run_name (the run to export)")
+    run_dir = Path(opts["output_dir"]) / str(opts["run_name"])
+    if not (run_dir / "trajectories.jsonl").exists() or not (run_dir / "manifest.json").exists():
+        raise UsageError(f"{run_dir}: no finished run to export (trajectories.jsonl and manifest.json are needed)")
+    target, count = export.export(run_dir, opts["export"])
+    console.out.print(f"wrote {count} rows to {target}")
+    return 0
+
+
+def _validate(opts: dict) -> str:
+    """Check the flags; returns the sandbox backend."""
     if not opts["dataset_file"]:
         raise UsageError("--dataset_file is required")
     if opts["run_name"] is None or str(opts["run_name"]).strip() in ("", ".", ".."):
@@ -268,8 +248,9 @@ def run(**opts) -> int:
     for name, minimum in (("batch_size", 1), ("num_workers", 1), ("concurrency", 1), ("max_turns", 1),
                           ("max_retries", 0), ("request_timeout", 0.001), ("command_timeout", 1)):
         _check_number(name, opts[name], minimum)
-    for name in ("max_samples", "prompt_timeout", "max_tokens"):
+    for name in ("max_samples", "prompt_timeout", "max_tokens", "max_total_tokens"):
         _check_number(name, opts[name], 1, allow_none=True)
+    _check_number("max_cost", opts["max_cost"], 0, allow_none=True)
     try:
         get_distribution(opts["distribution"])
     except KeyError as e:
@@ -281,17 +262,12 @@ def run(**opts) -> int:
         raise UsageError("--provider_sort must be price, throughput or latency")
     if opts["reasoning_effort"] not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
-    path = str(opts["dataset_file"])
-    if not os.path.isfile(path):
-        raise UsageError(f"--dataset_file {path}: no such file")
-    api_key = opts["api_key"] or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    if not api_key:
-        if opts["base_url"] == DEFAULT_BASE_URL:
-            raise UsageError("no API key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or pass --api_key")
-        api_key = "none"  # local servers take any key
-    prefill = _prefill(opts["prefill_messages_file"])
-    extra_body, effort, routing = _extra_body(opts["base_url"], opts)
+    if not os.path.isfile(str(opts["dataset_file"])):
+        raise UsageError(f"--dataset_file {opts['dataset_file']}: no such file")
+    return backend
 
+
+def _check_dataset(path: str, opts: dict) -> dataset.DatasetCheck:
     check = dataset.check(path, opts["max_samples"])
     if check.error_count:
         shown = "\n  ".join(check.errors)
@@ -302,6 +278,43 @@ def run(**opts) -> int:
         console.notice(f"skipping {check.error_count} bad line(s):\n  {shown}{more}")
     if check.valid == 0:
         raise UsageError(f"{path}: no prompts to run")
+    return check
+
+
+def _say_what_is_missing(plan: Plan, unavailable_tools: dict[str, str], unavailable_sets: dict[str, str],
+                         backend: str, opts: dict) -> None:
+    """Name, once, every sampled toolset or tool that cannot be offered, and images the backend ignores."""
+    missing = [f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s)"
+               for toolset, reason in unavailable_sets.items() if plan.sampled[toolset]]
+    missing += [f"tool {name} is unavailable ({reason})" for name, reason in unavailable_tools.items()
+                if plan.sampled[model_tools.REGISTRY[name].toolset]
+                and model_tools.REGISTRY[name].toolset not in unavailable_sets]
+    if missing and opts["require_toolsets"]:
+        raise UsageError("--require_toolsets: " + "; ".join(missing))
+    for line in missing:
+        console.notice(f"{line}; prompts run without it (--require_toolsets makes this an error)")
+    if backend == "local" and plan.rows_with_image:
+        console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
+                       "under the local backend they run in the local sandbox")
+    if backend == "local" and any(plan.sampled[t] for t in SANDBOX_TOOLSETS) and (problem := bwrap_problem()):
+        if not opts["unsafe_local"]:
+            raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
+                             "or pass --unsafe_local for weaker, directory-only isolation")
+        console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+
+
+def run(**opts) -> int:
+    started = time.monotonic()
+    backend = _validate(opts)
+    path = str(opts["dataset_file"])
+    api_key = opts["api_key"] or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if not api_key:
+        if opts["base_url"] == DEFAULT_BASE_URL:
+            raise UsageError("no API key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or pass --api_key")
+        api_key = "none"  # local servers take any key
+    prefill = _prefill(opts["prefill_messages_file"])
+    extra_body, effort, routing = _extra_body(opts["base_url"], opts)
+    check = _check_dataset(path, opts)
 
     run_dir = Path(opts["output_dir"]) / opts["run_name"]
     manifest = {
@@ -320,49 +333,13 @@ def run(**opts) -> int:
                                  files_dir=str(run_dir.resolve() / "files"))
     unavailable_tools = model_tools.unavailable_tools(tool_settings)
     unavailable_sets = model_tools.unavailable_toolsets(unavailable_tools)
-    tasks = lambda: _tasks(path, check, scan.done, opts, scan.next_batch, unavailable_sets)  # noqa: E731
-    plan = _count(tasks(), scan.next_batch, opts["docker_image"] if backend == "docker" else None)
-
-    missing = [f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s)"
-               for toolset, reason in unavailable_sets.items() if plan.sampled[toolset]]
-    missing += [f"tool {name} is unavailable ({reason})" for name, reason in unavailable_tools.items()
-                if plan.sampled[model_tools.REGISTRY[name].toolset] and model_tools.REGISTRY[name].toolset not in unavailable_sets]
-    if missing and opts["require_toolsets"]:
-        raise UsageError("--require_toolsets: " + "; ".join(missing))
-    for line in missing:
-        console.notice(f"{line}; prompts run without it (--require_toolsets makes this an error)")
-    if backend == "local" and plan.rows_with_image:
-        console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
-                       "under the local backend they run in the local sandbox")
-    needs_sandbox = any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
-    if backend == "local" and needs_sandbox and (problem := bwrap_problem()):
-        if not opts["unsafe_local"]:
-            raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
-                             "or pass --unsafe_local for weaker, directory-only isolation")
-        console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+    tasks = lambda: plan_module.tasks(  # noqa: E731  (streamed twice: to count, then to run)
+        path, check, scan.done, get_distribution(opts["distribution"]), opts["seed"], opts["batch_size"],
+        opts["max_samples"], scan.next_batch, unavailable_sets)
+    plan = plan_module.count(tasks(), scan.next_batch, opts["docker_image"] if backend == "docker" else None)
+    _say_what_is_missing(plan, unavailable_tools, unavailable_sets, backend, opts)
     for line in routing:
         console.notice(f"sending {line}")
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if opts["overwrite"]:
-        for child in run_dir.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    sandbox = SandboxConfig(
-        backend=backend, command_timeout=float(opts["command_timeout"]), docker_image=opts["docker_image"],
-        network=bool(opts["sandbox_network"]), keep=bool(opts["keep_sandboxes"]), unsafe_local=bool(opts["unsafe_local"]),
-        root_dir=new_root_dir(), label=uuid.uuid4().hex[:12],
-    )
-    missing_images: dict[str, str] = {}
-    if backend == "docker" and plan.images:
-        found = asyncio.run(check_images(list(plan.images), sandbox))
-        missing_images = {image: reason for image, reason in found.items() if reason}
-        for image, reason in missing_images.items():
-            console.notice(f"image {image} is unavailable ({reason}); its {plan.images[image]} prompt(s) fail and "
-                           "--resume retries them")
-    old_checkpoint = run_dir / "checkpoint.json"
-    previous = store.read_json(old_checkpoint).get("duration_seconds_total", 0.0) if old_checkpoint.exists() else 0.0
-    store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": _now()})
-
     model = ModelSettings(
         model=opts["model"], base_url=opts["base_url"], api_key=api_key, max_turns=opts["max_turns"],
         temperature=opts["temperature"], top_p=opts["top_p"], max_tokens=opts["max_tokens"],
@@ -371,12 +348,25 @@ def run(**opts) -> int:
         system_prompt=DEFAULT_SYSTEM_PROMPT, ephemeral_system_prompt=opts["ephemeral_system_prompt"],
         prefill_messages=prefill,
     )
-    config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
-                          worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
+    sandbox = SandboxConfig(
+        backend=backend, command_timeout=float(opts["command_timeout"]), docker_image=opts["docker_image"],
+        network=bool(opts["sandbox_network"]), keep=bool(opts["keep_sandboxes"]), unsafe_local=bool(opts["unsafe_local"]),
+        root_dir=new_root_dir(), label=uuid.uuid4().hex[:12],
+    )
     try:
-        outcome = _execute(tasks(), plan, config, opts, run_dir, missing_images, previous, started)
+        missing_images: dict[str, str] = {}
+        if backend == "docker" and plan.images:
+            found = asyncio.run(check_images(list(plan.images), sandbox))
+            missing_images = {image: reason for image, reason in found.items() if reason}
+            for image, reason in missing_images.items():
+                console.notice(f"image {image} is unavailable ({reason}); its {plan.images[image]} prompt(s) fail and "
+                               "--resume retries them")
+        if opts["dry_run"]:
+            return dry_run.report(plan, model, opts["batch_size"], len(scan.done))
+        outcome, previous = _run_plan(tasks(), plan, opts, run_dir, manifest, model, sandbox, tool_settings,
+                                      unavailable_tools, missing_images, started)
     finally:
-        cleanup(sandbox) if not sandbox.keep else None
+        cleanup(sandbox)
 
     merged = merge.merge(run_dir, opts["keep_hallucinated"])
     stats = merge.statistics(merged, {
@@ -389,141 +379,37 @@ def run(**opts) -> int:
     store.write_json(run_dir / "statistics.json", stats)
     console.summary(stats)
     if outcome.fatal:
-        console.error(f"the endpoint refused the run: {outcome.fatal}. Fix it, then resume:\n  {_resume_command()}")
+        console.error(f"the endpoint refused the run: {outcome.fatal}. Fix it, then resume:\n  {console.resume_command()}")
         return 1
     if outcome.interrupted:
-        console.err.print(f"interrupted; resume with:\n  {_resume_command()}")
+        console.err.print(f"interrupted; resume with:\n  {console.resume_command()}")
         return 130
+    if outcome.budget:
+        console.err.print(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:\n"
+                          f"  {console.resume_command()}")
+        return 3
     return 1 if outcome.failed else 0
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _resume_command() -> str:
-    args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
-    return " ".join(["python", "batch_runner.py", *args, "--resume"])
-
-
-@dataclass
-class Outcome:
-    failed: int = 0
-    not_run: int = 0
-    interrupted: bool = False
-    fatal: str | None = None
-
-
-class _Signals:
-    """First Ctrl-C/SIGTERM: stop cleanly. Second: leave at once (files are consistent at every moment)."""
-
-    def __init__(self, on_second):
-        self.count = 0
-        self.on_second = on_second
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self)
-
-    def __call__(self, signum, frame) -> None:
-        self.count += 1
-        if self.count > 1:
-            self.on_second()
-
-
-def _execute(tasks: Iterator[Task], plan: Plan, config: WorkerConfig, opts: dict, run_dir: Path,
-             missing_images: dict[str, str], previous: float, started: float) -> Outcome:
-    """Schedule prompts one at a time, write every result as it arrives, checkpoint as batches end."""
-    outcome = Outcome()
-    writer = store.Writer(run_dir)
+def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, model: ModelSettings,
+              sandbox: SandboxConfig, tool_settings: ToolSettings, unavailable_tools: dict[str, str],
+              missing_images: dict[str, str], started: float) -> tuple[scheduler.Outcome, float]:
+    """Create or continue the run directory and run the plan; returns the outcome and earlier runs' seconds."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if opts["overwrite"]:
+        for child in run_dir.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    old_checkpoint = run_dir / "checkpoint.json"
+    previous = store.read_json(old_checkpoint).get("duration_seconds_total", 0.0) if old_checkpoint.exists() else 0.0
+    store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": scheduler.now()})
+    config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
+                          worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
     pool = ProcessPool(min(opts["num_workers"], max(1, plan.remaining)), config)
-    counts = Counter()
-    size = opts["batch_size"]
-    left = {plan.first_batch + i: min(size, plan.remaining - i * size) for i in range(0, -(-plan.remaining // size))}
-    window = float(opts["concurrency"])  # conversations admitted; halves on 429, grows back per completion
-    last_throttle = 0.0
-
-    def checkpoint() -> None:
-        store.write_json(run_dir / "checkpoint.json", {
-            "run_name": opts["run_name"], "updated_at": _now(), "next_batch": plan.first_batch + len(left),
-            "batches_open": sorted(b for b, n in left.items() if n), "counts_this_invocation": dict(counts),
-            "remaining_this_invocation": plan.remaining - sum(counts.values()),
-            "duration_seconds_total": round(previous + time.monotonic() - started, 3),
-        })
-
-    def record(result: Result) -> None:
-        if result.row is not None:
-            if opts["require_reasoning"] and not result.row["metadata"]["turns_with_reasoning"]:
-                writer.discarded({"prompt_key": result.key, "prompt_index": result.prompt_index,
-                                  "batch_num": result.batch_num, "reason": "no_reasoning", "row": result.row})
-                counts["discarded"] += 1
-            else:
-                writer.row(result.batch_num, result.row)
-                counts["ok"] += 1
-        else:
-            writer.failed({"prompt_key": result.key, "prompt_index": result.prompt_index, "batch_num": result.batch_num,
-                           "error_class": result.error_class, "message": result.message, "time": _now()})
-            counts["failed"] += 1
-            if opts["verbose"]:
-                console.err.print(f"prompt {result.prompt_index} failed: {result.error_class}: {result.message}")
-        left[result.batch_num] -= 1
-        if left[result.batch_num] == 0:
-            writer.end_batch(result.batch_num)
-            checkpoint()
-
-    def leave_now() -> None:
-        pool.kill()
-        writer.close()
-        cleanup(config.sandbox)
-        console.err.print(f"\nstopped at once; resume with:\n  {_resume_command()}")
-        os._exit(130)
-
-    signals = _Signals(leave_now)
-    pool.start()
-    pending = iter(tasks)
-    exhausted = False
-    progress = console.progress_bar()
-    bar = progress.add_task("prompts", total=plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
-    try:
-        with progress:
-            while True:
-                stopping = signals.count > 0 or outcome.fatal is not None
-                while not stopping and not exhausted and pool.inflight < int(window):
-                    task = next(pending, None)
-                    if task is None:
-                        exhausted = True
-                    elif task.image in missing_images and set(task.toolsets_offered) & set(SANDBOX_TOOLSETS):
-                        record(Result(task.key, task.prompt_index, task.batch_num, error_class=ImageUnavailable.__name__,
-                                      message=f"image {task.image}: {missing_images[task.image]}"))
-                    else:
-                        pool.submit(task)
-                if stopping or (exhausted and pool.inflight == 0):
-                    break
-                for message in pool.poll(0.2):
-                    kind = message[0]
-                    if kind == "result":
-                        record(message[1])
-                        window = min(float(opts["concurrency"]), window + 1)
-                    elif kind == "throttle" and time.monotonic() - last_throttle > 2.0:
-                        window, last_throttle = max(1.0, window / 2), time.monotonic()
-                    elif kind == "fatal":
-                        outcome.fatal = outcome.fatal or message[1]
-                    elif kind == "log":
-                        console.err.print(message[1])
-                done = sum(counts.values())
-                progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - started), **counts)
-            if pool.inflight:
-                for message in pool.cancel():
-                    if message[0] == "result":
-                        record(message[1])
-    finally:
-        pool.close()
-        writer.close()
-        checkpoint()
-    outcome.interrupted = signals.count > 0
-    outcome.failed = counts["failed"]
-    outcome.not_run = plan.remaining - sum(counts.values())
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return outcome
+    schedule = scheduler.Schedule(opts["run_name"], opts["batch_size"], opts["concurrency"], opts["require_reasoning"],
+                                  opts["verbose"], opts["max_cost"], opts["max_total_tokens"])
+    outcome = scheduler.execute(tasks, plan, pool, schedule, run_dir, missing_images, previous, started,
+                                on_exit=lambda: cleanup(sandbox))
+    return outcome, previous
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -9,6 +11,12 @@ from toolset_distributions import DISTRIBUTIONS, TOOLSETS
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+
+
+def resume_command() -> str:
+    """The command line that continues this run."""
+    args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
+    return " ".join(["python", "batch_runner.py", *args, "--resume"])
 
 
 def error(message: str) -> None:

@@ -1,0 +1,72 @@
+"""--dry_run: check the endpoint with one tiny request, price the run where the provider
+publishes prices, and show what would run. Nothing else is spent and nothing is written."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+from rich.table import Table
+
+from trajgen import console, llm
+from trajgen.plan import Plan
+from trajgen.work import ModelSettings
+
+# Per-call token counts assumed for the cost estimate (said in the output).
+ASSUMED_PROMPT_TOKENS = 2000
+ASSUMED_COMPLETION_TOKENS = 500
+
+
+async def _probe(settings: ModelSettings) -> str | None:
+    """None when the endpoint answers a one-token request, else why it does not."""
+    client = llm.make_client(settings, connections=1)
+    try:
+        await client.chat.completions.create(model=settings.model, max_tokens=1,
+                                             messages=[{"role": "user", "content": "ping"}])
+    except (openai.APIStatusError, openai.APIConnectionError) as e:
+        return f"{type(e).__name__}: {getattr(e, 'message', e)}"
+    finally:
+        await client.close()
+    return None
+
+
+def _prices(settings: ModelSettings) -> tuple[float, float] | None:
+    """(USD per prompt token, per completion token) from the endpoint's /models, where it lists them (OpenRouter)."""
+    try:
+        response = httpx.get(f"{settings.base_url.rstrip('/')}/models", timeout=15,
+                             headers={"Authorization": f"Bearer {settings.api_key}"})
+        for model in response.json().get("data", []):
+            pricing = model.get("pricing") if model.get("id") == settings.model else None
+            if pricing:
+                return float(pricing["prompt"]), float(pricing["completion"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None
+
+
+def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int) -> int:
+    """Print the plan and the estimate; exit status 0 when the endpoint answered, else 1."""
+    problem = asyncio.run(_probe(settings))
+    table = Table(title="Dry run: nothing was spent but one tiny request", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    calls_min, calls_max = plan.remaining, plan.remaining * (settings.max_turns + 1)
+    rows = [
+        ("endpoint", f"{settings.base_url} ({settings.model}): " + (f"[red]{problem}[/]" if problem else "[green]answers[/]")),
+        ("prompts to run", f"{plan.remaining} ({already_done} already done)"),
+        ("batches", str(len(plan.batch_sizes(batch_size)))),
+        ("toolsets sampled", ", ".join(f"{t} {n}" for t, n in plan.sampled.most_common()) or "none"),
+        ("images", ", ".join(f"{i} {n}" for i, n in plan.images.most_common()) or "none"),
+        ("api calls", f"{calls_min} to {calls_max} (1 to max_turns+1 per prompt)"),
+    ]
+    prices = _prices(settings)
+    if prices:
+        per_call = prices[0] * ASSUMED_PROMPT_TOKENS + prices[1] * ASSUMED_COMPLETION_TOKENS
+        rows.append(("cost estimate", f"${per_call * calls_min:.2f} to ${per_call * calls_max:.2f} at "
+                                      f"~{ASSUMED_PROMPT_TOKENS} prompt + {ASSUMED_COMPLETION_TOKENS} completion tokens a call"))
+    else:
+        rows.append(("cost estimate", "the endpoint publishes no prices"))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.out.print(table)
+    return 1 if problem else 0
