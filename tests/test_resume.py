@@ -124,7 +124,9 @@ def test_dead_endpoint_fails_within_the_retry_budget(cli, scripted_server):
     assert done.returncode == 1 and time.monotonic() - started < 30
     assert "APIConnectionError" in done.stdout + done.stderr
     assert read_jsonl(cli.run_dir() / "trajectories.jsonl") == []
-    assert {f["error_class"] for f in read_jsonl(cli.run_dir() / "failures.jsonl")} == {"APIConnectionError"}
+    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    assert {f["error_class"] for f in failures} == {"APIConnectionError"}
+    assert all(f["message"].startswith("cannot connect") for f in failures)
 
 
 def test_401_stops_the_whole_run(cli, scripted_server):

@@ -54,7 +54,7 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
     rows = [
         ("endpoint", f"{settings.base_url} ({settings.model}): " + (f"[red]{problem}[/]" if problem else "[green]answers[/]")),
         ("prompts to run", f"{plan.remaining} ({already_done} already done)"),
-        ("batches", str(len(plan.batch_sizes(batch_size)))),
+        ("batches", str(plan.batch_count(batch_size))),
         ("toolsets sampled", ", ".join(f"{t} {n}" for t, n in plan.sampled.most_common()) or "none"),
         ("images", ", ".join(f"{i} {n}" for i, n in plan.images.most_common()) or "none"),
         ("api calls", f"{calls_min} to {calls_max} (1 to max_turns+1 per prompt)"),

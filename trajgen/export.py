@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import jsonlines
 import orjson
 
 from trajgen import store
@@ -113,9 +114,9 @@ def export(run_dir: Path, fmt: str) -> tuple[Path, int]:
 
 def _write_jsonl(run_dir: Path, fmt: str, tmp: str) -> int:
     count = 0
-    with open(tmp, "wb") as out:
+    with jsonlines.open(tmp, mode="w", dumps=lambda record: orjson.dumps(record).decode()) as out:
         for record in _records(run_dir, fmt):
-            out.write(orjson.dumps(record) + b"\n")
+            out.write(record)
             count += 1
     return count
 

@@ -23,9 +23,8 @@ class Plan:
     images: Counter = field(default_factory=Counter)  # image -> prompts that will open a container with it
     rows_with_image: int = 0
 
-    def batch_sizes(self, batch_size: int) -> dict[int, int]:
-        count = -(-self.remaining // batch_size)
-        return {self.first_batch + i: min(batch_size, self.remaining - i * batch_size) for i in range(count)}
+    def batch_count(self, batch_size: int) -> int:
+        return -(-self.remaining // batch_size)
 
 
 def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: Distribution, seed: int,

@@ -97,17 +97,23 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
     writer = store.Writer(run_dir)
     counts: Counter = Counter()
     spend = _Spend(schedule)
-    left = plan.batch_sizes(schedule.batch_size)
+    left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
+    batches = plan.batch_count(schedule.batch_size)
     window = float(schedule.concurrency)  # conversations admitted; halves on 429, grows back per completion
     last_throttle = 0.0
 
-    def checkpoint() -> None:
-        store.write_json(run_dir / "checkpoint.json", {
-            "run_name": schedule.run_name, "updated_at": now(), "next_batch": plan.first_batch + len(left),
-            "batches_open": sorted(b for b, n in left.items() if n), "counts_this_invocation": dict(counts),
+    def checkpoint() -> dict:
+        return {
+            "run_name": schedule.run_name, "updated_at": now(), "next_batch": plan.first_batch + batches,
+            "batches_open": sorted(left), "counts_this_invocation": dict(counts),
             "remaining_this_invocation": plan.remaining - sum(counts.values()),
             "duration_seconds_total": round(previous_seconds + time.monotonic() - started, 3),
-        })
+        }
+
+    def start(task: Task) -> None:
+        if task.batch_num not in left:
+            offset = (task.batch_num - plan.first_batch) * schedule.batch_size
+            left[task.batch_num] = min(schedule.batch_size, plan.remaining - offset)
 
     def record(result: Result) -> None:
         base = {"prompt_key": result.key, "prompt_index": result.prompt_index, "batch_num": result.batch_num}
@@ -126,12 +132,13 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                 console.err.print(f"prompt {result.prompt_index} failed: {result.error_class}: {result.message}")
         left[result.batch_num] -= 1
         if left[result.batch_num] == 0:
+            del left[result.batch_num]
             writer.end_batch(result.batch_num)
-            checkpoint()
+            writer.checkpoint(checkpoint())
 
     def leave_now() -> None:
         pool.kill()
-        writer.close()
+        writer.close(checkpoint())
         on_exit()
         console.err.print(f"\nstopped at once; resume with:\n  {console.resume_command()}")
         os._exit(130)
@@ -151,9 +158,11 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                     if task is None:
                         exhausted = True
                     elif task.image in missing_images and needs_sandbox(task):
+                        start(task)
                         record(Result(task.key, task.prompt_index, task.batch_num, error_class=ImageUnavailable.__name__,
                                       message=f"image {task.image}: {missing_images[task.image]}"))
                     else:
+                        start(task)
                         pool.submit(task)
                 if stopping or ((exhausted or outcome.budget) and pool.inflight == 0):
                     break
@@ -176,8 +185,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                         record(message[1])
     finally:
         pool.close()
-        writer.close()
-        checkpoint()
+        writer.close(checkpoint())
         signals.restore()
     outcome.interrupted = signals.count > 0
     outcome.failed = counts["failed"]

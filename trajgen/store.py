@@ -8,8 +8,10 @@ per batch; the JSON files are replaced atomically. Resume trusts the rows, not t
 from __future__ import annotations
 
 import os
+import queue
 import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -98,19 +100,28 @@ def scan(run_dir: Path) -> Scan:
 
 
 class Writer:
-    """Appends rows and side records; batch files are opened on their first row and fsynced when the batch ends."""
+    """Appends rows and side records as whole lines. Batch files are opened on their first row;
+    when a batch ends, a background thread fsyncs and closes it and then writes the latest
+    checkpoint, so the scheduler never waits on the disk."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.batches: dict[int, int] = {}  # batch number -> open file descriptor
         self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
+        self._jobs: queue.Queue = queue.Queue()
+        self._checkpoint: dict | None = None  # the latest payload not yet written
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
+        self._thread.start()
 
     @staticmethod
     def _open(path: Path) -> int:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    @staticmethod
-    def _append(fd: int, record: dict) -> None:
+    def _append(self, fd: int, record: dict) -> None:
+        if self._error:
+            raise self._error
         data = orjson.dumps(record) + b"\n"
         while data:  # one write almost always; loop in case the kernel takes less
             data = data[os.write(fd, data):]
@@ -127,16 +138,42 @@ class Writer:
         self._append(self.side[FAILURES], record)
 
     def end_batch(self, batch_num: int) -> None:
-        fd = self.batches.pop(batch_num, None)
-        for f in [fd, *self.side.values()]:
-            if f is not None:
-                os.fsync(f)
-        if fd is not None:
-            os.close(fd)
+        self._jobs.put(self.batches.pop(batch_num, None))
 
-    def close(self) -> None:
+    def checkpoint(self, payload: dict) -> None:
+        """Written after everything queued before it is on disk; newer payloads replace older unwritten ones."""
+        with self._lock:
+            queued = self._checkpoint is not None
+            self._checkpoint = payload
+        if not queued:
+            self._jobs.put("checkpoint")
+
+    def _sync_loop(self) -> None:
+        while (job := self._jobs.get()) != "stop":
+            try:
+                if job == "checkpoint":
+                    with self._lock:
+                        payload, self._checkpoint = self._checkpoint, None
+                    write_json(self.run_dir / "checkpoint.json", payload)
+                else:
+                    for fd in self.side.values():
+                        os.fsync(fd)
+                    if job is not None:
+                        os.fsync(job)
+                        os.close(job)
+            except BaseException as e:  # surfaced to the scheduler at its next write or at close
+                self._error = e
+
+    def close(self, final_checkpoint: dict) -> None:
+        """Flush everything; the final checkpoint is written last, after every batch is on disk."""
         for batch_num in list(self.batches):
             self.end_batch(batch_num)
+        self._jobs.put(None)
+        self.checkpoint(final_checkpoint)
+        self._jobs.put("stop")
+        self._thread.join()
         for fd in self.side.values():
             os.close(fd)
         self.side = {}
+        if self._error:
+            raise self._error

@@ -14,6 +14,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 import model_tools
 from trajgen import agent, llm
@@ -51,14 +52,14 @@ class _Prompt:
 
 
 class _Worker:
-    def __init__(self, conn: Connection, config: WorkerConfig):
-        self.conn, self.config = conn, config
+    """A worker's conversations. `send` carries its messages out: the pipe here, a Ray actor's
+    outbox in trajgen/ray_executor.py, which reuses `run_one` as it is."""
+
+    def __init__(self, config: WorkerConfig, send: Callable[[tuple], None]):
+        self.config, self.send = config, send
         self.client = llm.make_client(config.model, config.concurrency)
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
-
-    def send(self, message: tuple) -> None:
-        self.conn.send(message)
 
     def tools_for(self, toolsets: list[str]) -> tuple[list[ToolSpec], list[dict]]:
         """Schemas are built once per toolset combination, not per prompt."""
@@ -85,7 +86,7 @@ class _Worker:
             result.error_class, result.message = FatalAPIError.__name__, str(e)
             self.send(("fatal", str(e)))
         except Exception as e:  # any other error fails this prompt only; resume retries it
-            result.error_class, result.message = type(e).__name__, str(e)[:2000]
+            result.error_class, result.message = llm.describe(e)
             if self.config.verbose:
                 self.send(("log", f"{task.key}: {traceback.format_exc()}"))
         finally:
@@ -93,14 +94,14 @@ class _Worker:
             self.running.pop(task.key, None)
         self.send(("result", result))
 
-    async def serve(self) -> None:
+    async def serve(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
         def read() -> None:  # blocking pipe reads stay off the event loop
             while True:
                 try:
-                    message = self.conn.recv()
+                    message = conn.recv()
                 except (EOFError, OSError):
                     message = ("stop",)
                 loop.call_soon_threadsafe(inbox.put_nowait, message)
@@ -126,7 +127,7 @@ class _Worker:
 
 def _worker_main(conn: Connection, config: WorkerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
-    asyncio.run(_Worker(conn, config).serve())
+    asyncio.run(_Worker(config, conn.send).serve(conn))
 
 
 @dataclass
