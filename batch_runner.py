@@ -20,7 +20,7 @@ import orjson
 
 import model_tools
 from toolset_distributions import get_distribution
-from trajgen import console, dataset, dry_run, export, merge, scheduler, store
+from trajgen import console, dataset, dry_run, export, local_model, merge, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.errors import UsageError
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, new_root_dir
@@ -101,7 +101,7 @@ def main(
         dataset_file: JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd").
         run_name: Name of the run; output goes to <output_dir>/<run_name>/.
         batch_size: Consecutive prompts per batch_<N>.jsonl file.
-        model: Model name sent to the endpoint.
+        model: Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).
         base_url: OpenAI-compatible endpoint (default OpenRouter).
         api_key: API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers).
         num_workers: Worker processes.
@@ -150,7 +150,12 @@ def main(
         return
     options = dict(locals())
     try:
-        code = run_export(options) if export else run(**options)
+        if export:
+            code = run_export(options)
+        elif model == local_model.NAME:
+            code = run_local(options)
+        else:
+            code = run(**options)
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
@@ -221,6 +226,16 @@ def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
         if changed and not opts["force"]:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
+
+
+def run_local(opts: dict) -> int:
+    """Serve the small packaged model for the length of the run. It answers one request at a
+    time, so more conversations in flight would only queue."""
+    local_model.model_path()  # a clear usage error before anything starts
+    if opts["concurrency"] > 1 or opts["num_workers"] > 1:
+        console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
+    with local_model.serve() as url:
+        return run(**{**opts, "base_url": url, "api_key": "none", "num_workers": 1, "concurrency": 1})
 
 
 def run_export(opts: dict) -> int:
