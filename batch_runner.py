@@ -159,6 +159,9 @@ def main(
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
+    except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
+        console.error("interrupted")
+        sys.exit(130)
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
@@ -257,7 +260,9 @@ def _validate(opts: dict) -> str:
         raise UsageError("--dataset_file is required")
     if opts["run_name"] is None or str(opts["run_name"]).strip() in ("", ".", ".."):
         raise UsageError("--run_name is required")
-    opts["run_name"] = str(opts["run_name"])
+    for name in ("run_name", "model", "base_url", "api_key", "distribution", "output_dir", "dataset_file", "docker_image"):
+        if opts[name] is not None:  # Fire turns `--run_name=7` into an int
+            opts[name] = str(opts[name])
     if "/" in opts["run_name"]:
         raise UsageError("--run_name must not contain '/'")
     for name, minimum in (("batch_size", 1), ("num_workers", 1), ("concurrency", 1), ("max_turns", 1),

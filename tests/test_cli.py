@@ -54,6 +54,7 @@ def test_multi_turn_run_writes_the_four_kinds_of_files(cli, scripted_server):
     assert set(rows[1]["tool_stats"]) == set(stats) and rows[1]["tool_stats"]["terminal"]["count"] == 0
     statistics = json.loads((run_dir / "statistics.json").read_text())
     assert statistics["ok"] == 3 and statistics["failed"]["total"] == 0 and statistics["total_batches"] == 2
+    assert not any((cli.cwd / "home").iterdir())  # nothing written to the user's home directory
     assert statistics["tool_statistics"]["read_file"]["failure_rate"] == 1.0
     assert statistics["api_calls"] == 6
 
