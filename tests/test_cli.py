@@ -161,7 +161,7 @@ def test_turn_budget_forces_a_final_answer(cli, scripted_server):
     row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
     assert row["completed"] is False and row["partial"] is True and row["api_calls"] == 3
     last = server.requests()[-1]["body"]
-    assert "tools" not in last and last["messages"][-1]["role"] == "user"
+    assert last["tool_choice"] == "none" and last["tools"] and last["messages"][-1]["role"] == "user"
 
 
 def test_existing_run_directory_is_refused_without_resume(cli, scripted_server):

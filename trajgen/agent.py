@@ -62,7 +62,9 @@ async def run_conversation(
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
             conversation.append({"from": "human", "value": FINAL_ANSWER_REQUEST})
-        response = await llm.complete(client, settings, messages, None if final_call else schemas, on_throttle)
+        # the last call still lists the tools (some providers refuse a history of tool calls without
+        # them) but forbids using them
+        response = await llm.complete(client, settings, messages, schemas, on_throttle, forbid_tools=final_call)
         api_calls += 1
         _usage_add(usage, response.usage)
         message = response.choices[0].message

@@ -48,10 +48,13 @@ def describe(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, message[:2000]
 
 
-def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict] | None) -> dict:
+def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
+                 forbid_tools: bool = False) -> dict:
     args: dict = {"model": settings.model, "messages": messages}
     if tools:
         args["tools"] = tools
+        if forbid_tools:
+            args["tool_choice"] = "none"
     for name in ("temperature", "top_p", "max_tokens", "reasoning_effort"):
         value = getattr(settings, name)
         if value is not None:
@@ -101,9 +104,10 @@ async def complete(
     messages: list[dict],
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
+    forbid_tools: bool = False,
 ):
     """One chat completion, retried per the policy above."""
-    args = request_args(settings, messages, tools)
+    args = request_args(settings, messages, tools, forbid_tools)
     for attempt in range(settings.max_retries + 1):
         try:
             return await client.chat.completions.create(**args)
