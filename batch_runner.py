@@ -88,6 +88,11 @@ def main(
     reasoning_disabled: bool = False,
     ephemeral_system_prompt: str = "",
     prefill_messages_file: str | None = None,
+    vision_model: str | None = None,
+    vision_base_url: str | None = None,
+    vision_api_key: str | None = None,
+    image_model: str | None = None,
+    browser_executable: str | None = None,
     terminal_backend: str | None = None,
     command_timeout: float = 180.0,
     docker_image: str = "python:3.11-slim",
@@ -138,6 +143,11 @@ def main(
         reasoning_disabled: OpenRouter: ask for no reasoning.
         ephemeral_system_prompt: Appended to the system prompt at run time, never written to trajectories.
         prefill_messages_file: JSON list of {role, content} messages sent before the prompt, not written.
+        vision_model: Model for vision_analyze (default: --model).
+        vision_base_url: OpenAI-compatible endpoint for vision_analyze (default: --base_url).
+        vision_api_key: Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).
+        image_model: image_generate through the endpoint's OpenAI images API with this model (default: FAL when FAL_KEY is set).
+        browser_executable: Chromium binary for the browser tools (default: $CHROMIUM_PATH, else chromium on PATH).
         terminal_backend: Sandbox backend, local (bubblewrap) or docker (default env TERMINAL_ENV, else local).
         command_timeout: Default seconds per terminal command; the command's whole process tree is killed then.
         docker_image: Image for prompts that name none (docker backend).
@@ -349,8 +359,10 @@ def run(**opts) -> int:
     scan = _prepare_run_dir(run_dir, opts, manifest)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
-    tool_settings = ToolSettings(base_url=opts["base_url"], api_key=api_key, model=opts["model"],
-                                 files_dir=str(run_dir.resolve() / "files"))
+    tool_settings = ToolSettings(
+        base_url=opts["base_url"], api_key=api_key, model=opts["model"], files_dir=str(run_dir.resolve() / "files"),
+        **{name: str(opts[name] or "") for name in
+           ("vision_model", "vision_base_url", "vision_api_key", "image_model", "browser_executable")})
     unavailable_tools = model_tools.unavailable_tools(tool_settings)
     unavailable_sets = model_tools.unavailable_toolsets(unavailable_tools)
     tasks = lambda: plan_module.tasks(  # noqa: E731  (streamed twice: to count, then to run)

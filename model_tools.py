@@ -1,8 +1,8 @@
 """The tool registry: every tool's schema, its toolset, and dispatch of a model's tool call.
 
 Tools are plain async functions listed as `ToolSpec`s by the modules in `trajgen/tools/`.
-Toolsets whose tools are not built yet are registered with their schemas and a reason, so a
-run that samples them says so instead of silently dropping them.
+A tool that cannot run here (no search provider, no chromium...) says why through its
+`unavailable` check, so a run that samples it says so instead of silently dropping it.
 """
 from __future__ import annotations
 
@@ -13,35 +13,16 @@ import orjson
 from toolset_distributions import TOOLSETS
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+from trajgen.tools.browser import TOOLS as BROWSER_TOOLS
 from trajgen.tools.files import TOOLS as FILE_TOOLS
+from trajgen.tools.images import TOOLS as IMAGE_TOOLS
 from trajgen.tools.terminal import TOOLS as TERMINAL_TOOLS
+from trajgen.tools.vision import TOOLS as VISION_TOOLS
+from trajgen.tools.web import TOOLS as WEB_TOOLS
 
-def _not_built(settings: ToolSettings) -> str:
-    return "not built yet in this version"
-
-
-def _planned(name: str, toolset: str, description: str, properties: dict, required: list[str]) -> ToolSpec:
-    parameters = {"type": "object", "properties": properties, "required": required}
-    return ToolSpec(name, toolset, description, parameters, fn=None, unavailable=_not_built)
-
-
-_S = {"type": "string"}
-PLANNED_TOOLS = [
-    _planned("web_search", "web", "Search the web.", {"query": _S, "limit": {"type": "integer"}}, ["query"]),
-    _planned("web_extract", "web", "Fetch pages as markdown.", {"urls": {"type": "array", "items": _S}}, ["urls"]),
-    _planned("vision_analyze", "vision", "Ask a vision model about an image.",
-             {"image_url": _S, "question": _S}, ["image_url", "question"]),
-    _planned("image_generate", "image_gen", "Generate an image.", {"prompt": _S, "size": _S}, ["prompt"]),
-    _planned("browser_navigate", "browser", "Open a URL in the browser.", {"url": _S}, ["url"]),
-    _planned("browser_snapshot", "browser", "The page's accessibility tree with numbered refs.", {}, []),
-    _planned("browser_click", "browser", "Click an element by ref.", {"ref": _S}, ["ref"]),
-    _planned("browser_type", "browser", "Type text into an element by ref.", {"ref": _S, "text": _S}, ["ref", "text"]),
-    _planned("browser_scroll", "browser", "Scroll the page.", {"direction": {"type": "string", "enum": ["up", "down"]}},
-             ["direction"]),
-    _planned("browser_back", "browser", "Go back in history.", {}, []),
-]
-
-REGISTRY: dict[str, ToolSpec] = {t.name: t for t in [*TERMINAL_TOOLS, *FILE_TOOLS, *PLANNED_TOOLS]}
+REGISTRY: dict[str, ToolSpec] = {
+    t.name: t for t in [*TERMINAL_TOOLS, *FILE_TOOLS, *WEB_TOOLS, *VISION_TOOLS, *IMAGE_TOOLS, *BROWSER_TOOLS]
+}
 ALL_TOOL_NAMES: tuple[str, ...] = tuple(REGISTRY)
 
 

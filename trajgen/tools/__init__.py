@@ -19,6 +19,11 @@ class ToolSettings:
     api_key: str = ""
     model: str = ""
     files_dir: str = ""  # where tools save files for the user (inside the run directory)
+    vision_model: str = ""  # vision_analyze's model; "" means the run's model
+    vision_base_url: str = ""  # vision_analyze's endpoint; "" means the run's endpoint
+    vision_api_key: str = ""  # "" means the run's key, sent only to the run's own endpoint
+    image_model: str = ""  # image_generate through the endpoint's images API; "" means FAL (FAL_KEY)
+    browser_executable: str = ""  # chromium for the browser tools; "" means $CHROMIUM_PATH, else `chromium` on PATH
 
 
 @dataclass
@@ -39,7 +44,7 @@ class ToolSpec:
     toolset: str
     description: str
     parameters: dict  # JSON schema of the arguments object
-    fn: Callable[..., Awaitable[dict]] | None  # None: registered but not built
+    fn: Callable[..., Awaitable[dict]]
     unavailable: Callable[[ToolSettings], str | None] | None = None  # why it cannot be offered here
 
     def schema(self) -> dict:

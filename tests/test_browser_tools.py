@@ -1,0 +1,190 @@
+"""The browser tools driving real headless Chromium over a local site on 127.0.0.1.
+
+Chromium runs with a dead proxy for everything but loopback and with host resolution turned
+off, so nothing it does can leave the machine. Skipped (with the reason) only when playwright
+or a chromium binary is missing, or chromium cannot start here.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import pytest
+
+import model_tools
+from tests.test_web_tools import local_site  # noqa: F401  (fixture)
+from trajgen.tools import ToolContext, ToolSettings, browser
+from trajgen.tools.browser import (CONTEXT_KEY, browser_back, browser_click, browser_navigate, browser_scroll,
+                                   browser_snapshot, browser_type)
+
+LOOPBACK_ONLY = "--proxy-server=http://127.0.0.1:9 --host-resolver-rules='MAP * ~NOTFOUND, EXCLUDE 127.0.0.1'"
+
+
+def _launch_problem() -> str | None:
+    if reason := browser.browser_unavailable(ToolSettings()):
+        return reason
+
+    async def probe() -> None:
+        try:
+            await browser._browser(ToolSettings())
+        finally:
+            await browser.shutdown()
+
+    os.environ["TRAJGEN_CHROMIUM_ARGS"] = LOOPBACK_ONLY
+    try:
+        asyncio.run(probe())
+    except Exception as e:  # whatever stops chromium here is the skip reason
+        return f"chromium cannot start here: {str(e).strip().splitlines()[0]}"
+    finally:
+        del os.environ["TRAJGEN_CHROMIUM_ARGS"]
+    return None
+
+
+LAUNCH_PROBLEM = _launch_problem()
+pytestmark = pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"browser tools need chromium: {LAUNCH_PROBLEM}")
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch) -> None:
+    monkeypatch.setenv("TRAJGEN_CHROMIUM_ARGS", LOOPBACK_ONLY)
+
+
+def context() -> ToolContext:
+    async def no_sandbox():
+        raise AssertionError("browser tools never open the sandbox")
+
+    return ToolContext(sandbox=no_sandbox, settings=ToolSettings())
+
+
+def in_browser(steps) -> None:
+    """Run `steps()` on one event loop, then the prompts' cleanups and the browser's shutdown."""
+    async def main() -> None:
+        contexts: list[ToolContext] = []
+        try:
+            await steps(contexts)
+        finally:
+            for ctx in contexts:
+                await asyncio.gather(*(cleanup() for cleanup in ctx.cleanups))
+            await browser.shutdown()
+
+    asyncio.run(main())
+
+
+def ref(snapshot: str, element: str) -> str:
+    """The number the snapshot gives an element, e.g. ref(s, 'link "open the form"') -> '7'."""
+    return re.search(re.escape(element) + r"(?: \[\D[^\]]*\])* \[(\d+)\]", snapshot).group(1)  # after [level=1]...
+
+
+def test_navigate_snapshot_click_type_submit_and_back(local_site):
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        contexts.append(ctx)
+        opened = await browser_navigate(ctx, url=local_site.url + "/")
+        assert opened == {"success": True, "error": None, "url": local_site.url + "/", "title": "Local Test Site",
+                          "status": 200}
+        home = await browser_snapshot(ctx)
+        assert home["success"] is True and home["truncated"] is False
+        tree = home["snapshot"]
+        assert 'heading "Welcome to the test site" [level=1]' in tree and "quick brown fox" in tree
+        assert 'img "A tiny cat"' in tree
+        numbers = [int(n) for n in re.findall(r"\[(\d+)\]", tree)]
+        assert numbers == list(range(1, len(numbers) + 1))  # elements numbered [1], [2]... in order
+
+        clicked = await browser_click(ctx, ref=ref(tree, 'link "open the form"'))
+        assert clicked["success"] is True and clicked["url"] == local_site.url + "/form"
+        assert clicked["title"] == "Greeting Form"
+        form = (await browser_snapshot(ctx))["snapshot"]
+        field, button = ref(form, 'textbox "Your name"'), ref(form, 'button "Send"')
+        typed = await browser_type(ctx, ref=field, text="Ada Lovelace")
+        assert typed["success"] is True and typed["url"] == local_site.url + "/form"
+        sent = await browser_click(ctx, ref=f"[{button}]")  # "[12]" as shown in the snapshot works too
+        assert sent["url"] == local_site.url + "/result?q=Ada+Lovelace" and sent["title"] == "Result"
+        assert "You typed: Ada Lovelace" in (await browser_snapshot(ctx))["snapshot"]
+
+        back = await browser_back(ctx)
+        assert back["success"] is True and back["url"] == local_site.url + "/form"
+        again = (await browser_snapshot(ctx))["snapshot"]
+        submitted = await browser_type(ctx, ref=int(ref(again, 'textbox "Your name"')), text="Grace", submit=True)
+        assert submitted["url"] == local_site.url + "/result?q=Grace"
+        assert (await browser_back(ctx))["url"] == local_site.url + "/form"
+        assert (await browser_back(ctx))["url"] == local_site.url + "/"
+
+    in_browser(steps)
+    assert [r["path"] for r in local_site.requests].count("/cat.png") >= 1  # the page's image loaded, locally
+
+
+def test_scroll_moves_the_page_and_reports_where(local_site):
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        contexts.append(ctx)
+        await browser_navigate(ctx, url=local_site.url + "/")
+        down = await browser_scroll(ctx, direction="down")
+        assert down["success"] is True and down["scroll_y"] > 0 and down["page_height"] > down["viewport_height"]
+        further = await browser_scroll(ctx, direction="down")
+        assert further["scroll_y"] > down["scroll_y"]
+        up = await browser_scroll(ctx, direction="up")
+        assert up["scroll_y"] < further["scroll_y"]
+        assert (await browser_scroll(ctx, direction="sideways"))["success"] is False
+
+    in_browser(steps)
+
+
+def test_refusals_and_model_mistakes_are_failed_results(local_site):
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        contexts.append(ctx)
+        for url in ("file:///etc/passwd", "chrome://version", "about:blank", "javascript:alert(1)", "view-source:http://x",
+                    "127.0.0.1", "", None, 5):
+            result = await browser_navigate(ctx, url=url)
+            assert result["success"] is False and "http(s)" in result["error"], url
+        assert ctx.state == {}  # refused before any browser work
+        missing = await browser_click(ctx, ref="3")
+        assert missing["success"] is False and "take a snapshot first" in missing["error"]
+        await browser_navigate(ctx, url=local_site.url + "/")
+        tree = (await browser_snapshot(ctx))["snapshot"]
+        link = ref(tree, 'link "open the form"')
+        assert "no element [9999]" in (await browser_click(ctx, ref="9999"))["error"]
+        for bad in ("e3", "link", "", None, True, 1.5):
+            assert (await browser_click(ctx, ref=bad))["error"].startswith("`ref` must be"), bad
+        heading = ref(tree, 'heading "Welcome to the test site"')
+        not_a_field = await browser_type(ctx, ref=heading, text="x")
+        assert not_a_field["success"] is False and not_a_field["error"]
+        assert (await browser_type(ctx, ref=link, text=5))["success"] is False
+        assert (await browser_type(ctx, ref=link, text="x", submit="yes"))["success"] is False
+        await browser_navigate(ctx, url=local_site.url + "/form")
+        stale = await browser_click(ctx, ref=link)  # a number from the page before
+        assert stale["success"] is False and "browser_snapshot" in stale["error"]
+        gone = await browser_navigate(ctx, url="http://127.0.0.1:1/")  # a port Chromium refuses
+        assert gone["success"] is False and gone["error"].startswith("Page.goto: net::ERR_")
+        assert "Call log" not in gone["error"]
+        fresh = context()
+        contexts.append(fresh)
+        assert (await browser_back(fresh))["error"] == "there is no previous page in this tab's history"
+
+    in_browser(steps)
+
+
+def test_one_browser_per_process_one_context_per_prompt_closed_by_cleanup(local_site):
+    async def steps(contexts: list[ToolContext]) -> None:
+        first, second = context(), context()
+        contexts.extend([first, second])
+        results = await asyncio.gather(browser_navigate(first, url=local_site.url + "/"),
+                                       browser_navigate(second, url=local_site.url + "/form"))
+        assert all(r["success"] for r in results)
+        one, two = first.state[CONTEXT_KEY], second.state[CONTEXT_KEY]
+        assert one is not two and one.browser is two.browser  # launched once, under the lock
+        assert len(first.cleanups) == 1 and len(second.cleanups) == 1
+        await first.cleanups[0]()
+        assert one.pages == [] and two.pages[0].url == local_site.url + "/form"
+        assert (await browser_snapshot(second))["success"] is True
+
+    in_browser(steps)
+
+
+def test_availability_follows_playwright_and_chromium():
+    assert browser.browser_unavailable(ToolSettings()) is None
+    reason = browser.browser_unavailable(ToolSettings(browser_executable="/nonexistent/chromium"))
+    assert reason.startswith("no chromium binary")
+    unavailable = model_tools.unavailable_tools(ToolSettings(browser_executable="/nonexistent/chromium"))
+    assert model_tools.unavailable_toolsets(unavailable)["browser"] == reason

@@ -1,0 +1,264 @@
+"""The `browser` toolset: a real headless Chromium driven by Playwright.
+
+One browser per worker process, launched at the first browser call and reused; one
+BrowserContext (cookies, history, tabs) per prompt, closed by the prompt's cleanups. The model
+reads a page through Playwright's accessibility snapshot, whose numbered elements ([12]) it
+passes back to click and type. Only http(s) pages can be opened.
+
+Playwright's own browser download is not used: the binary is the system's chromium (Debian's
+package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). Playwright launches it
+with a fresh temporary profile and with background networking, component updates, sync and
+first-run turned off; CHROMIUM_ARGS closes the remaining paths to outside services, and
+$TRAJGEN_CHROMIUM_ARGS adds switches of your own (a proxy, say).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+
+MAX_SNAPSHOT_CHARS = 30_000
+MAX_ERROR_CHARS = 500
+NAVIGATION_TIMEOUT_MS = 30_000
+ACTION_TIMEOUT_MS = 10_000
+CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-pings", "--disable-domain-reliability",
+                 "--disable-client-side-phishing-detection", "--safebrowsing-disable-auto-update",
+                 "--disable-crash-reporter"]
+CONTEXT_KEY, REFS_KEY = "browser_context", "browser_refs"  # in ctx.state
+_SNAPSHOT_REF = re.compile(r"\[ref=([\w-]+)\]")  # Playwright's element refs (e12, f3e12...)
+_REF_ARGUMENT = re.compile(r"^\[?(\d+)\]?$")
+
+
+class Refused(Exception):
+    """An action the model asked for that cannot be done; its message is the tool's error."""
+
+
+@dataclass
+class _Shared:
+    """The worker's Playwright and browser, which belong to the event loop that started them."""
+
+    loop: asyncio.AbstractEventLoop
+    lock: asyncio.Lock
+    playwright: Any = None
+    browser: Any = None
+
+
+_shared: _Shared | None = None
+
+
+def executable(settings: ToolSettings) -> str | None:
+    """The chromium binary (a path, or a name looked up on PATH), if it is there and executable."""
+    return shutil.which(settings.browser_executable or os.environ.get("CHROMIUM_PATH") or "chromium")
+
+
+def browser_unavailable(settings: ToolSettings) -> str | None:
+    if importlib.util.find_spec("playwright") is None:
+        return "playwright is not installed (pip install 'trajgen-batch-runner[browser]')"
+    if executable(settings) is None:
+        return "no chromium binary: apt-get install chromium, or set --browser_executable or CHROMIUM_PATH"
+    return None
+
+
+async def _browser(settings: ToolSettings) -> Any:
+    """The worker's browser: launched once, under a lock because many prompts may ask at once,
+    and launched again if it died."""
+    global _shared
+    loop = asyncio.get_running_loop()
+    if _shared is None or _shared.loop is not loop:
+        _shared = _Shared(loop, asyncio.Lock())
+    shared = _shared
+    async with shared.lock:
+        if shared.browser is None or not shared.browser.is_connected():
+            from playwright.async_api import async_playwright
+
+            if shared.playwright is None:
+                shared.playwright = await async_playwright().start()
+            shared.browser = await shared.playwright.chromium.launch(
+                executable_path=executable(settings), headless=True,
+                chromium_sandbox=os.geteuid() != 0,  # Chromium's sandbox refuses to run as root
+                args=[*CHROMIUM_ARGS, *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
+            )
+    return shared.browser
+
+
+async def shutdown() -> None:
+    """Close this process's browser and Playwright driver, if they run on this event loop."""
+    global _shared
+    shared, _shared = _shared, None
+    if shared is None or shared.loop is not asyncio.get_running_loop():
+        return
+    if shared.browser is not None:
+        await shared.browser.close()
+    if shared.playwright is not None:
+        await shared.playwright.stop()
+
+
+async def _page(ctx: ToolContext) -> Any:
+    """The prompt's current tab (the newest open one, so a link that opens a tab is followed)."""
+    context = ctx.state.get(CONTEXT_KEY)
+    if context is None or not context.browser.is_connected():
+        browser = await _browser(ctx.settings)
+        context = await browser.new_context(accept_downloads=False, service_workers="block", locale="en-US",
+                                            viewport={"width": 1280, "height": 800})
+        context.set_default_timeout(ACTION_TIMEOUT_MS)
+        context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_MS)
+        ctx.state[CONTEXT_KEY] = context
+        ctx.cleanups.append(context.close)
+    pages = [p for p in context.pages if not p.is_closed()]
+    return pages[-1] if pages else await context.new_page()
+
+
+def _fail(error: str) -> dict:
+    return {"success": False, "error": error}
+
+
+async def _act(ctx: ToolContext, action: Callable[[Any], Awaitable[dict | None]]) -> dict:
+    """Run one action on the current tab; report where the browser is afterwards."""
+    from playwright.async_api import Error as PlaywrightError
+
+    try:
+        extra = await action(await _page(ctx)) or {}
+        page = await _page(ctx)
+        await page.wait_for_load_state("domcontentloaded")
+        return {"success": True, "error": None, "url": page.url, "title": await page.title(), **extra}
+    except Refused as e:
+        return _fail(str(e))
+    except PlaywrightError as e:
+        return _fail(e.message.split("\nCall log:")[0].strip()[:MAX_ERROR_CHARS])  # Playwright's log is noise here
+
+
+def _number(tree: str) -> tuple[str, dict[str, str]]:
+    """The snapshot with its elements numbered [1], [2]... in order, and number -> Playwright ref."""
+    refs: dict[str, str] = {}
+
+    def number(match: re.Match) -> str:
+        refs[str(len(refs) + 1)] = match.group(1)
+        return f"[{len(refs)}]"
+
+    return _SNAPSHOT_REF.sub(number, tree), refs
+
+
+def _ref_number(ref: object) -> str | None:
+    """The element number the model passed: 12, "12" or "[12]"."""
+    if type(ref) is int:
+        ref = str(ref)
+    match = _REF_ARGUMENT.match(ref.strip()) if isinstance(ref, str) else None
+    return match.group(1) if match else None
+
+
+async def _element(ctx: ToolContext, page: Any, number: str) -> Any:
+    """The element numbered so in the last snapshot, if it is still on the page."""
+    name = ctx.state.get(REFS_KEY, {}).get(number)
+    if name is None:
+        raise Refused(f"no element [{number}] in the last browser_snapshot; take a snapshot first")
+    target = page.locator(f"aria-ref={name}")
+    if await target.count() == 0:
+        raise Refused(f"element [{number}] is no longer on the page; take a new browser_snapshot")
+    return target
+
+
+BAD_REF = "`ref` must be an element number from browser_snapshot, e.g. \"12\""
+
+
+async def browser_navigate(ctx: ToolContext, url: object = None) -> dict:
+    parts = urlsplit(url.strip()) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        return _fail("`url` must be an http(s) URL; other schemes (file:, chrome:, about:...) are refused")
+
+    async def go(page: Any) -> dict:
+        response = await page.goto(url.strip(), wait_until="domcontentloaded")
+        return {"status": response.status if response else None}
+
+    return await _act(ctx, go)
+
+
+async def browser_snapshot(ctx: ToolContext) -> dict:
+    async def snapshot(page: Any) -> dict:
+        tree, ctx.state[REFS_KEY] = _number(await page.aria_snapshot(mode="ai"))
+        return {"snapshot": tree[:MAX_SNAPSHOT_CHARS], "truncated": len(tree) > MAX_SNAPSHOT_CHARS}
+
+    return await _act(ctx, snapshot)
+
+
+async def browser_click(ctx: ToolContext, ref: object = None) -> dict:
+    number = _ref_number(ref)
+    if number is None:
+        return _fail(BAD_REF)
+
+    async def click(page: Any) -> None:
+        await (await _element(ctx, page, number)).click()
+
+    return await _act(ctx, click)
+
+
+async def browser_type(ctx: ToolContext, ref: object = None, text: object = None, submit: object = False) -> dict:
+    number = _ref_number(ref)
+    if number is None:
+        return _fail(BAD_REF)
+    if not isinstance(text, str):
+        return _fail("`text` must be a string")
+    if not isinstance(submit, bool):
+        return _fail("`submit` must be true or false")
+
+    async def type_text(page: Any) -> None:
+        target = await _element(ctx, page, number)
+        await target.fill(text)
+        if submit:
+            await target.press("Enter")
+
+    return await _act(ctx, type_text)
+
+
+async def browser_scroll(ctx: ToolContext, direction: object = None) -> dict:
+    if direction not in ("up", "down"):
+        return _fail("`direction` must be \"up\" or \"down\"")
+
+    async def scroll(page: Any) -> dict:
+        y, viewport, height = await page.evaluate(
+            "(sign) => { window.scrollBy({top: sign * window.innerHeight * 0.8, behavior: 'instant'});"
+            " return [window.scrollY, window.innerHeight, document.documentElement.scrollHeight]; }",
+            1 if direction == "down" else -1,
+        )
+        return {"scroll_y": round(y), "viewport_height": viewport, "page_height": height}
+
+    return await _act(ctx, scroll)
+
+
+async def browser_back(ctx: ToolContext) -> dict:
+    async def back(page: Any) -> None:
+        before = page.url
+        if await page.go_back(wait_until="domcontentloaded") is None and page.url == before:
+            raise Refused("there is no previous page in this tab's history")
+
+    return await _act(ctx, back)
+
+
+def _tool(name: str, fn: Callable, description: str, properties: dict, required: list[str]) -> ToolSpec:
+    parameters = {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+    return ToolSpec(name, "browser", description, parameters, fn, unavailable=browser_unavailable)
+
+
+REF = {"type": "string", "description": "The element's number from browser_snapshot, e.g. \"12\"."}
+
+TOOLS = [
+    _tool("browser_navigate", browser_navigate, "Open an http(s) URL in the browser's current tab.",
+          {"url": {"type": "string", "description": "The http(s) URL to open."}}, ["url"]),
+    _tool("browser_snapshot", browser_snapshot,
+          "The current page as an accessibility tree: text, links, buttons and fields, each element numbered "
+          "[1], [2]... for browser_click and browser_type.", {}, []),
+    _tool("browser_click", browser_click, "Click an element of the last snapshot by its number.", {"ref": REF}, ["ref"]),
+    _tool("browser_type", browser_type, "Replace the text of a field of the last snapshot; optionally press Enter.",
+          {"ref": REF, "text": {"type": "string", "description": "The text to put in the field."},
+           "submit": {"type": "boolean", "description": "Press Enter afterwards (default false)."}}, ["ref", "text"]),
+    _tool("browser_scroll", browser_scroll, "Scroll the page by most of a screen.",
+          {"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
+    _tool("browser_back", browser_back, "Go back to the previous page of the current tab.", {}, []),
+]

@@ -1,0 +1,274 @@
+"""The `web` toolset: `web_search` through a configured provider, `web_extract` of pages as markdown.
+
+Every request is made by the runner, never by the sandbox. A provider's key goes only to that
+provider; pages are fetched with no credentials at all (`trust_env=False` also keeps .netrc
+logins and proxy settings out of requests to arbitrary sites). Each provider's base URL can be
+overridden by an environment variable, for self-hosted instances and for tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+
+from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+
+DEFAULT_RESULTS = 5
+MAX_RESULTS = 10
+MAX_SNIPPET_CHARS = 1_000
+MAX_URLS = 5
+MAX_PAGE_BYTES = 2 * 1024 * 1024
+MAX_PAGE_CHARS = 40_000
+MAX_REDIRECTS = 5
+TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+USER_AGENT = "Mozilla/5.0 (compatible; trajgen-web-extract/0.1)"
+TEXT_TYPES = ("application/json", "application/xml", "application/xhtml+xml", "application/javascript")
+
+
+def _fail(error: str) -> dict:
+    return {"success": False, "error": error}
+
+
+def _base(variable: str, default: str) -> str:
+    return os.environ.get(variable, default).rstrip("/")
+
+
+def _cut(value: object, limit: int) -> str:
+    text = value if isinstance(value, str) else ""
+    return text if len(text) <= limit else text[:limit] + " [...]"
+
+
+def _hit(title: object, url: object, snippet: object) -> dict:
+    return {"title": _cut(title, 300), "url": _cut(url, 2_000), "snippet": _cut(snippet, MAX_SNIPPET_CHARS)}
+
+
+# --- search providers: each takes (client, query, limit) and returns [{title, url, snippet}] ---
+
+
+async def _tavily(client: httpx.AsyncClient, query: str, limit: int) -> list[dict]:
+    response = await client.post(
+        _base("TAVILY_BASE_URL", "https://api.tavily.com") + "/search",
+        headers={"Authorization": f"Bearer {os.environ['TAVILY_API_KEY']}"},
+        json={"query": query, "max_results": limit},
+    )
+    response.raise_for_status()
+    return [_hit(r.get("title"), r.get("url"), r.get("content")) for r in response.json()["results"]]
+
+
+async def _exa(client: httpx.AsyncClient, query: str, limit: int) -> list[dict]:
+    response = await client.post(
+        _base("EXA_BASE_URL", "https://api.exa.ai") + "/search",
+        headers={"x-api-key": os.environ["EXA_API_KEY"]},
+        json={"query": query, "numResults": limit, "contents": {"text": {"maxCharacters": MAX_SNIPPET_CHARS}}},
+    )
+    response.raise_for_status()
+    return [_hit(r.get("title"), r.get("url"), r.get("text")) for r in response.json()["results"]]
+
+
+def _firecrawl_headers() -> dict:
+    return {"Authorization": f"Bearer {os.environ['FIRECRAWL_API_KEY']}"}
+
+
+async def _firecrawl(client: httpx.AsyncClient, query: str, limit: int) -> list[dict]:
+    response = await client.post(
+        _base("FIRECRAWL_BASE_URL", "https://api.firecrawl.dev") + "/v2/search",
+        headers=_firecrawl_headers(), json={"query": query, "limit": limit},
+    )
+    response.raise_for_status()
+    return [_hit(r.get("title"), r.get("url"), r.get("description")) for r in response.json()["data"]["web"]]
+
+
+async def _searxng(client: httpx.AsyncClient, query: str, limit: int) -> list[dict]:
+    """SearXNG has no result-count parameter and needs `json` among the instance's formats."""
+    response = await client.get(os.environ["SEARXNG_URL"].rstrip("/") + "/search", params={"q": query, "format": "json"})
+    response.raise_for_status()
+    return [_hit(r.get("title"), r.get("url"), r.get("content")) for r in response.json()["results"][:limit]]
+
+
+Search = Callable[[httpx.AsyncClient, str, int], Awaitable[list[dict]]]
+PROVIDERS: list[tuple[str, str, Search]] = [  # (name, env var that enables it, search); first configured wins
+    ("tavily", "TAVILY_API_KEY", _tavily),
+    ("exa", "EXA_API_KEY", _exa),
+    ("firecrawl", "FIRECRAWL_API_KEY", _firecrawl),
+    ("searxng", "SEARXNG_URL", _searxng),
+]
+
+
+def _provider() -> tuple[str, Search] | None:
+    for name, variable, search in PROVIDERS:
+        if os.environ.get(variable):
+            return name, search
+    return None
+
+
+def search_unavailable(settings: ToolSettings) -> str | None:
+    if _provider() is None:
+        return f"no search provider configured: set one of {', '.join(variable for _, variable, _ in PROVIDERS)}"
+    return None
+
+
+def _api_error(provider: str, e: Exception) -> str:
+    """A provider's failure in one line, never with a key in it (some APIs echo the key back)."""
+    if isinstance(e, httpx.HTTPStatusError):
+        message = f"{provider} answered HTTP {e.response.status_code}: {_cut(e.response.text, 300)}"
+    elif isinstance(e, httpx.HTTPError):
+        message = f"{provider} request failed: {type(e).__name__}: {e}"
+    else:
+        message = f"{provider} sent an unexpected response ({type(e).__name__}: {e})"
+    for _, variable, _ in PROVIDERS:
+        if secret := os.environ.get(variable):
+            message = message.replace(secret, "***")
+    return message
+
+
+async def web_search(ctx: ToolContext, query: object = None, limit: object = DEFAULT_RESULTS) -> dict:
+    if not isinstance(query, str) or not query.strip():
+        return _fail("`query` must be a non-empty string")
+    if type(limit) is not int or limit < 1:
+        return _fail(f"`limit` must be a positive integer (at most {MAX_RESULTS})")
+    chosen = _provider()
+    if chosen is None:
+        return _fail(search_unavailable(ctx.settings))
+    name, search = chosen
+    try:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            results = await search(client, query, min(limit, MAX_RESULTS))
+    except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as e:
+        return _fail(_api_error(name, e))
+    return {"success": True, "error": None, "provider": name, "results": results}
+
+
+# --- page extraction ---
+
+
+def _is_text(content_type: str) -> bool:
+    return content_type.startswith("text/") or content_type in TEXT_TYPES or content_type.endswith(("+xml", "+json"))
+
+
+def _html_to_markdown(html: bytes, url: str) -> tuple[str, str | None]:
+    """Main content as markdown (trafilatura), else all of the page's text; and the title."""
+    import trafilatura  # heavy import: only workers that read pages pay for it
+
+    text = trafilatura.extract(html, url=url, output_format="markdown", include_links=True, favor_recall=True)
+    if not text:
+        text = trafilatura.html2txt(html)
+    metadata = trafilatura.extract_metadata(html)
+    return text, metadata.title if metadata else None
+
+
+def _page(url: str, final_url: str, title: str | None, content: str, truncated: bool) -> dict:
+    cut = len(content) > MAX_PAGE_CHARS
+    return {"url": url, "final_url": final_url, "title": title, "content": content[:MAX_PAGE_CHARS],
+            "truncated": truncated or cut, "error": None}
+
+
+async def _fetch(client: httpx.AsyncClient, url: str) -> dict:
+    """One page through the runner: redirects followed up to a limit, text types only, size capped."""
+    async with client.stream("GET", url) as response:
+        if response.status_code >= 400:
+            return {"url": url, "error": f"HTTP {response.status_code}"}
+        content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not _is_text(content_type):
+            return {"url": url, "error": f"content type {content_type or 'unknown'} is not text; not fetched"}
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_PAGE_BYTES:
+                break
+        truncated = len(body) > MAX_PAGE_BYTES
+        data, final_url = bytes(body[:MAX_PAGE_BYTES]), str(response.url)
+        encoding = response.charset_encoding or "utf-8"
+    if content_type in ("text/html", "application/xhtml+xml"):
+        content, title = await asyncio.to_thread(_html_to_markdown, data, final_url)
+    else:
+        content, title = data.decode(encoding, "replace"), None
+    return _page(url, final_url, title, content, truncated)
+
+
+async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
+    """One page through Firecrawl's scrape endpoint (renders JavaScript; returns markdown)."""
+    response = await client.post(
+        _base("FIRECRAWL_BASE_URL", "https://api.firecrawl.dev") + "/v2/scrape", headers=_firecrawl_headers(),
+        json={"url": url, "formats": ["markdown"], "onlyMainContent": True},
+    )
+    response.raise_for_status()
+    data = response.json()["data"]
+    metadata = data.get("metadata") or {}
+    return _page(url, metadata.get("url") or metadata.get("sourceURL") or url, metadata.get("title"),
+                 data.get("markdown") or "", False)
+
+
+async def _extract_one(client: httpx.AsyncClient, url: str, firecrawl: bool) -> dict:
+    try:
+        return await (_scrape(client, url) if firecrawl else _fetch(client, url))
+    except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as e:  # LookupError: a key, a charset
+        reason = _api_error("firecrawl", e) if firecrawl else f"{type(e).__name__}: {e}"
+        return {"url": url, "error": reason}
+
+
+async def web_extract(ctx: ToolContext, urls: object = None) -> dict:
+    if isinstance(urls, str):
+        urls = [urls]
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+        return _fail("`urls` must be a non-empty list of URL strings")
+    if len(urls) > MAX_URLS:
+        return _fail(f"at most {MAX_URLS} URLs per call")
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return _fail(f"{url!r} is not an http(s) URL")
+    firecrawl = bool(os.environ.get("FIRECRAWL_API_KEY"))
+    if firecrawl:
+        client = httpx.AsyncClient(timeout=TIMEOUT)
+    else:
+        client = httpx.AsyncClient(
+            timeout=TIMEOUT, follow_redirects=True, max_redirects=MAX_REDIRECTS, trust_env=False,
+            headers={"User-Agent": USER_AGENT, "Accept": "text/html, text/plain;q=0.9, */*;q=0.5"},
+        )
+    async with client:
+        pages = await asyncio.gather(*(_extract_one(client, url, firecrawl) for url in urls))
+    failed = [p for p in pages if p["error"]]
+    error = "; ".join(f"{p['url']}: {p['error']}" for p in failed) if len(failed) == len(pages) else None
+    return {"success": error is None, "error": error, "results": pages}
+
+
+TOOLS = [
+    ToolSpec(
+        name="web_search",
+        toolset="web",
+        description="Search the web; returns up to `limit` results, each with title, URL and a snippet.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "What to search for."},
+                "limit": {"type": "integer", "minimum": 1, "maximum": MAX_RESULTS,
+                          "description": f"How many results (default {DEFAULT_RESULTS})."},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+        fn=web_search,
+        unavailable=search_unavailable,
+    ),
+    ToolSpec(
+        name="web_extract",
+        toolset="web",
+        description=(
+            f"Read web pages (up to {MAX_URLS} URLs) and return each one's main content as markdown, "
+            f"cut at {MAX_PAGE_CHARS} characters. Text pages only (HTML, plain text, JSON, XML)."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "urls": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_URLS,
+                         "description": "http(s) URLs of the pages to read."},
+            },
+            "required": ["urls"],
+            "additionalProperties": False,
+        },
+        fn=web_extract,
+    ),
+]
