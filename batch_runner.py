@@ -93,6 +93,7 @@ def main(
     vision_api_key: str | None = None,
     image_model: str | None = None,
     browser_executable: str | None = None,
+    allow_private_urls: bool = False,
     terminal_backend: str | None = None,
     command_timeout: float = 180.0,
     docker_image: str = "python:3.11-slim",
@@ -148,6 +149,7 @@ def main(
         vision_api_key: Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).
         image_model: image_generate through the endpoint's OpenAI images API with this model (default: FAL when FAL_KEY is set).
         browser_executable: Chromium binary for the browser tools (default: $CHROMIUM_PATH, else chromium on PATH).
+        allow_private_urls: Let web_extract and the browser reach loopback, private and link-local addresses.
         terminal_backend: Sandbox backend, local (bubblewrap) or docker (default env TERMINAL_ENV, else local).
         command_timeout: Default seconds per terminal command; the command's whole process tree is killed then.
         docker_image: Image for prompts that name none (docker backend).
@@ -362,7 +364,8 @@ def run(**opts) -> int:
     tool_settings = ToolSettings(
         base_url=opts["base_url"], api_key=api_key, model=opts["model"], files_dir=str(run_dir.resolve() / "files"),
         **{name: str(opts[name] or "") for name in
-           ("vision_model", "vision_base_url", "vision_api_key", "image_model", "browser_executable")})
+           ("vision_model", "vision_base_url", "vision_api_key", "image_model", "browser_executable")},
+        allow_private_urls=bool(opts["allow_private_urls"]))
     unavailable_tools = model_tools.unavailable_tools(tool_settings)
     unavailable_sets = model_tools.unavailable_toolsets(unavailable_tools)
     tasks = lambda: plan_module.tasks(  # noqa: E731  (streamed twice: to count, then to run)

@@ -3,6 +3,10 @@
 Chromium runs with a dead proxy for everything but loopback and with host resolution turned
 off, so nothing it does can leave the machine. Skipped (with the reason) only when playwright
 or a chromium binary is missing, or chromium cannot start here.
+
+The local site is on 127.0.0.1, so tests that use it allow private URLs. The tests of the refusal
+do not: their contexts connect only through netguard's guard (which takes the dead proxy's place
+for them), and every address they name is loopback or private, refused before any connection.
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ import pytest
 import model_tools
 from tests.test_web_tools import local_site  # noqa: F401  (fixture)
 from trajgen.tools import ToolContext, ToolSettings, browser
-from trajgen.tools.browser import (CONTEXT_KEY, browser_back, browser_click, browser_navigate, browser_scroll,
-                                   browser_snapshot, browser_type)
+from trajgen.tools.browser import (CONTEXT_KEY, GUARD_KEY, browser_back, browser_click, browser_navigate,
+                                   browser_scroll, browser_snapshot, browser_type)
 
 LOOPBACK_ONLY = "--proxy-server=http://127.0.0.1:9 --host-resolver-rules='MAP * ~NOTFOUND, EXCLUDE 127.0.0.1'"
 
@@ -50,11 +54,12 @@ def loopback_only(monkeypatch) -> None:
     monkeypatch.setenv("TRAJGEN_CHROMIUM_ARGS", LOOPBACK_ONLY)
 
 
-def context() -> ToolContext:
+def context(allow_private_urls: bool = True) -> ToolContext:
+    """A prompt's context; private URLs allowed unless a test says otherwise (the local site is on 127.0.0.1)."""
     async def no_sandbox():
         raise AssertionError("browser tools never open the sandbox")
 
-    return ToolContext(sandbox=no_sandbox, settings=ToolSettings())
+    return ToolContext(sandbox=no_sandbox, settings=ToolSettings(allow_private_urls=allow_private_urls))
 
 
 def in_browser(steps) -> None:
@@ -163,6 +168,75 @@ def test_refusals_and_model_mistakes_are_failed_results(local_site):
         assert (await browser_back(fresh))["error"] == "there is no previous page in this tab's history"
 
     in_browser(steps)
+
+
+def test_navigate_refuses_private_addresses_without_the_flag(local_site):
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context(allow_private_urls=False)
+        contexts.append(ctx)
+        port = local_site.server.server_port
+        for url in (f"{local_site.url}/", f"http://localhost:{port}/", f"http://[::1]:{port}/", f"http://127.1:{port}/",
+                    "http://10.1.2.3/", "http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/"):
+            result = await browser_navigate(ctx, url=url)
+            assert result["success"] is False and result["error"].startswith("refused: "), url
+            assert "--allow_private_urls" in result["error"]
+        assert CONTEXT_KEY not in ctx.state  # refused before any browser work
+
+    in_browser(steps)
+    assert local_site.requests == []
+
+
+PAGE = """<html><head><title>A page on the web</title></head><body>
+<h1>Links and pictures</h1><a href="{site}/form">the internal form</a> <a href="http://127.0.0.1:1/hop">a hop</a>
+<img src="{site}/cat.png" alt="internal"> <img src="http://10.1.2.3/x.png" alt="private">
+<iframe src="http://169.254.169.254/latest/meta-data/"></iframe>
+<script>new WebSocket("ws://localhost:{port}/")</script></body></html>"""
+
+
+def test_the_guard_keeps_a_page_from_the_internal_network(local_site):
+    """A page may not pull the browser into private addresses: not its pictures, frames or sockets,
+    not a link, and not a redirect. With the flag off only a public page is opened, and no test may
+    reach one; so the page is put in the tab by Playwright (set_content), and the redirect is answered
+    by the test's own Playwright route at a loopback address (refused itself if it were ever fetched).
+    No Playwright route sees a redirect's next hop: Chromium requests it, through the guard."""
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context(allow_private_urls=False)
+        contexts.append(ctx)
+        assert (await browser_snapshot(ctx))["success"] is True  # opens the prompt's context, on about:blank
+        guard, page = ctx.state[GUARD_KEY], ctx.state[CONTEXT_KEY].pages[-1]
+        port = local_site.server.server_port
+        await page.set_content(PAGE.format(site=local_site.url, port=port), wait_until="load")
+        for _ in range(50):  # the frame and the socket may still be on their way
+            if any("169.254.169.254" in r for r in guard.refused) and any("localhost" in r for r in guard.refused):
+                break
+            await asyncio.sleep(0.1)
+        assert any(r.startswith("refused: 10.1.2.3 is") for r in guard.refused)
+        assert any(r.startswith("refused: 169.254.169.254 is") for r in guard.refused)
+        assert any(r.startswith("refused: 127.0.0.1 is") for r in guard.refused)
+        assert any(r.startswith("refused: localhost (127.0.0.1) is") for r in guard.refused)  # the WebSocket
+
+        tree = (await browser_snapshot(ctx))["snapshot"]
+        clicked = await browser_click(ctx, ref=ref(tree, 'link "the internal form"'))
+        assert clicked["success"] is False and clicked["error"].startswith("refused: 127.0.0.1 is"), clicked
+
+        await page.set_content(PAGE.format(site=local_site.url, port=port))
+        await page.route("http://127.0.0.1:1/hop", lambda route: route.fulfill(
+            status=302, headers={"Location": f"http://localhost:{port}/form"}))
+        tree = (await browser_snapshot(ctx))["snapshot"]
+        redirected = await browser_click(ctx, ref=ref(tree, 'link "a hop"'))
+        assert redirected["success"] is False and "refused: localhost (127.0.0.1) is" in redirected["error"], redirected
+
+        await page.route("http://127.0.0.1:1/page", lambda route: route.fulfill(content_type="text/html", body=(
+            '<html><head><title>Served</title><script src="http://10.1.2.3/x.js"></script></head>'
+            '<body><p>Here.</p></body></html>')))
+        await page.set_content('<a href="http://127.0.0.1:1/page">a page</a>')
+        tree = (await browser_snapshot(ctx))["snapshot"]
+        served = await browser_click(ctx, ref=ref(tree, 'link "a page"'))  # the page comes, its script does not
+        assert served["success"] is True and served["title"] == "Served", served
+        assert [r for r in served["blocked"] if r.startswith("refused: 10.1.2.3 is")], served
+
+    in_browser(steps)
+    assert local_site.requests == []  # not the picture, the socket, the link, nor the redirect's target
 
 
 def test_one_browser_per_process_one_context_per_prompt_closed_by_cleanup(local_site):

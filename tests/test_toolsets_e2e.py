@@ -1,5 +1,8 @@
 """The web, browser and vision toolsets end to end: `python batch_runner.py` against the scripted model,
 a local website, a fake SearXNG and real headless Chromium, all on 127.0.0.1.
+
+The local website is on a loopback address: runs that read it pass --allow_private_urls, and one
+run checks that without it the web and browser tools refuse the site.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def element_numbers(site_url: str) -> tuple[str, str]:
     found: list[str] = []
 
     async def steps(contexts: list[ToolContext]) -> None:
-        ctx = ToolContext(sandbox=None, settings=ToolSettings())
+        ctx = ToolContext(sandbox=None, settings=ToolSettings(allow_private_urls=True))
         contexts.append(ctx)
         for path, element in (("/", 'link "open the form"'), ("/form", 'textbox "Your name"')):
             await browser_navigate(ctx, url=site_url + path)
@@ -102,7 +105,7 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
     seed = seed_sampling(cli.cwd / "prompts.jsonl", "browser_use", {"browser", "web", "vision"})
     before = chromium_pids()
 
-    done = cli.run(*cli.args(server, distribution="browser_use", seed=seed, max_turns=15),
+    done = cli.run(*cli.args(server, distribution="browser_use", seed=seed, max_turns=15, allow_private_urls=True),
                    env={"SEARXNG_URL": searxng.url, "TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY})
 
     assert done.returncode == 0, done.stderr
@@ -131,6 +134,28 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
     statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
     assert statistics["tool_statistics"]["browser_type"]["success_rate"] == 1.0
     assert chromium_left(before) == set()  # every worker's browser is gone with the run
+
+
+@pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser toolset needs chromium: {LAUNCH_PROBLEM}")
+def test_without_allow_private_urls_the_tools_refuse_the_local_site(cli, scripted_server, local_site):
+    site = local_site.url
+    steps = [call("web_extract", urls=[site + "/"]), call("browser_navigate", url=site + "/"),
+             think("Both were refused.")]
+    server = scripted_server({"default": steps})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "Read the loopback fox site."}])
+    seed = seed_sampling(cli.cwd / "prompts.jsonl", "browser_use", {"browser", "web"})
+
+    done = cli.run(*cli.args(server, distribution="browser_use", seed=seed),  # no --allow_private_urls
+                   env={"TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY})
+
+    assert done.returncode == 0, done.stderr
+    (row,) = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    results = tool_results(row)
+    for name in ("web_extract", "browser_navigate"):
+        assert row["tool_stats"][name] == {"count": 1, "success": 0, "failure": 1}, results[name]
+        assert results[name]["success"] is False and "refused: 127.0.0.1 is" in results[name]["error"]
+        assert "--allow_private_urls" in results[name]["error"]
+    assert local_site.requests == []
 
 
 def test_vision_and_image_flags_reach_the_tools(cli, scripted_server):

@@ -1,5 +1,8 @@
 """web_search against a fake API of each provider, web_extract against a local site: all on 127.0.0.1.
 
+The local site is on a loopback address, so tests that read it allow private URLs; the ones that
+test the refusal do not, and check that the site got no request.
+
 `local_site` and `fake_api` are also used by the browser, vision/image and end-to-end tests.
 """
 from __future__ import annotations
@@ -16,8 +19,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+import httpx
 import model_tools
-from trajgen.tools import ToolContext, ToolSettings
+from trajgen.tools import ToolContext, ToolSettings, web
 from trajgen.tools.web import MAX_PAGE_CHARS, MAX_URLS, web_extract, web_search
 
 PROVIDER_ENV = ("TAVILY_API_KEY", "EXA_API_KEY", "FIRECRAWL_API_KEY", "SEARXNG_URL", "TAVILY_BASE_URL",
@@ -167,11 +171,12 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-def context(**settings) -> ToolContext:
+def context(allow_private_urls: bool = True, **settings) -> ToolContext:
+    """A prompt's context; private URLs allowed unless a test says otherwise (the local site is on 127.0.0.1)."""
     async def no_sandbox():
         raise AssertionError("web tools never open the sandbox")
 
-    return ToolContext(sandbox=no_sandbox, settings=ToolSettings(**settings))
+    return ToolContext(sandbox=no_sandbox, settings=ToolSettings(allow_private_urls=allow_private_urls, **settings))
 
 
 # --- web_extract ---
@@ -195,9 +200,58 @@ def test_web_extract_follows_redirects_up_to_a_limit(local_site):
     moved, looped, to_file = result["results"]
     assert result["success"] is True  # one page of three came back
     assert moved["final_url"] == local_site.url + "/" and "quick brown fox" in moved["content"]
-    assert looped["error"].startswith("TooManyRedirects")
-    assert to_file["error"].startswith("UnsupportedProtocol")  # a redirect cannot reach a local file
+    assert looped["error"] == "more than 5 redirects"
+    # every hop is checked, the flag notwithstanding: a redirect cannot reach a local file
+    assert to_file["error"] == "redirected to file:/etc/passwd: refused: 'file:/etc/passwd' is not an http(s) URL"
     assert sum(r["path"] == "/loop" for r in local_site.requests) == 6  # the first request and 5 redirects
+
+
+def test_web_extract_refuses_private_addresses_without_the_flag(local_site):
+    port = local_site.server.server_port
+    batches = [[f"http://127.0.0.1:{port}/", f"http://localhost:{port}/", f"http://[::1]:{port}/",
+                f"http://127.1:{port}/", f"http://0.0.0.0:{port}/"],
+               [f"http://[::ffff:127.0.0.1]:{port}/", f"http://2130706433:{port}/", "http://10.1.2.3/",
+                "http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/"]]
+    for urls in batches:
+        result = run(web_extract(context(allow_private_urls=False), urls=urls))
+        assert result["success"] is False
+        for page in result["results"]:
+            assert page["error"].startswith("refused: ") and "--allow_private_urls" in page["error"], page
+    assert "localhost (127.0.0.1)" in run(web_extract(context(allow_private_urls=False),
+                                                      urls=[f"http://localhost:{port}/"]))["error"]
+    assert local_site.requests == []  # refused before any request, not by a failed one
+
+
+def test_web_extract_checks_every_redirect_hop_before_requesting_it():
+    """A redirect from an allowed page to a private address is refused before the request.
+
+    With the flag off an allowed page must be on a public address, and no test may reach one; so
+    this drives `web._fetch`, web_extract's redirect loop, over httpx's MockTransport, which answers
+    in-process: nothing is sent anywhere. Only the IP literal 93.184.215.14 is checked (no lookup),
+    and its answer redirects to private addresses; the transport records what was requested.
+    """
+    requested: list[str] = []
+    targets = {"/to-metadata": "http://169.254.169.254/latest/meta-data/", "/to-localhost": "http://localhost:8080/",
+               "/to-ten": "//10.1.2.3/admin", "/to-public": "/page"}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        requested.append(str(request.url))
+        if request.url.path in targets:
+            return httpx.Response(302, headers={"Location": targets[request.url.path]})
+        return httpx.Response(200, text="a public page", headers={"Content-Type": "text/plain"})
+
+    async def fetch(path: str) -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await web._fetch(client, "http://93.184.215.14" + path, allow_private=False)
+
+    metadata = run(fetch("/to-metadata"))
+    assert metadata["error"].startswith("redirected to http://169.254.169.254/latest/meta-data/: refused: ")
+    assert "localhost (127.0.0.1)" in run(fetch("/to-localhost"))["error"]
+    assert run(fetch("/to-ten"))["error"].startswith("redirected to http://10.1.2.3/admin: refused: 10.1.2.3 is")
+    allowed = run(fetch("/to-public"))  # an allowed hop is followed
+    assert allowed["error"] is None and allowed["final_url"] == "http://93.184.215.14/page"
+    assert requested == ["http://93.184.215.14" + p for p in ("/to-metadata", "/to-localhost", "/to-ten", "/to-public",
+                                                              "/page")]
 
 
 def test_web_extract_reads_text_types_only_and_caps_size(local_site):
@@ -249,6 +303,16 @@ def test_web_extract_uses_firecrawl_scrape_when_configured(local_site, fake_api,
     assert request["headers"]["authorization"] == "Bearer fc-test"
     assert request["json"]["url"] == local_site.url + "/" and request["json"]["formats"] == ["markdown"]
     assert local_site.requests == []  # the runner itself fetched nothing
+
+
+def test_web_extract_through_firecrawl_refuses_private_urls_too(local_site, fake_api, monkeypatch):
+    """Firecrawl fetches the page from its side, but a self-hosted Firecrawl may sit inside the user's network."""
+    api = fake_api({"/v2/scrape": (200, {"success": True, "data": {"markdown": "secret"}})})
+    monkeypatch.setenv("FIRECRAWL_API_KEY", "fc-test")
+    monkeypatch.setenv("FIRECRAWL_BASE_URL", api.url)  # the provider's own URL is the user's choice: not checked
+    result = run(web_extract(context(allow_private_urls=False), urls=[local_site.url + "/", "http://169.254.169.254/"]))
+    assert result["success"] is False and all(p["error"].startswith("refused: ") for p in result["results"])
+    assert api.requests == [] and local_site.requests == []
 
 
 # --- web_search ---

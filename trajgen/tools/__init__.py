@@ -24,6 +24,7 @@ class ToolSettings:
     vision_api_key: str = ""  # "" means the run's key, sent only to the run's own endpoint
     image_model: str = ""  # image_generate through the endpoint's images API; "" means FAL (FAL_KEY)
     browser_executable: str = ""  # chromium for the browser tools; "" means $CHROMIUM_PATH, else `chromium` on PATH
+    allow_private_urls: bool = False  # web_extract and the browser may reach loopback/private addresses
 
 
 @dataclass

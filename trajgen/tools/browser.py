@@ -5,6 +5,13 @@ BrowserContext (cookies, history, tabs) per prompt, closed by the prompt's clean
 reads a page through Playwright's accessibility snapshot, whose numbered elements ([12]) it
 passes back to click and type. Only http(s) pages can be opened.
 
+Unless --allow_private_urls, nothing the browser does may reach a loopback, private or link-local
+address: browser_navigate checks its URL, and each prompt's context connects only through its own
+netguard.Guard, a SOCKS5 proxy in this process that checks every connection (redirect hops,
+subresources, link clicks, form submits, WebSockets) and resolves each host once per prompt. A
+--proxy-server in $TRAJGEN_CHROMIUM_ARGS is then not used by the contexts; with the flag, the guard
+is off and Chromium connects as it is told.
+
 Playwright's own browser download is not used: the binary is the system's chromium (Debian's
 package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). Playwright launches it
 with a fresh temporary profile and with background networking, component updates, sync and
@@ -24,6 +31,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+from trajgen.tools.netguard import Guard, check_url
 
 MAX_SNAPSHOT_CHARS = 30_000
 MAX_ERROR_CHARS = 500
@@ -31,8 +39,9 @@ NAVIGATION_TIMEOUT_MS = 30_000
 ACTION_TIMEOUT_MS = 10_000
 CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-pings", "--disable-domain-reliability",
                  "--disable-client-side-phishing-detection", "--safebrowsing-disable-auto-update",
-                 "--disable-crash-reporter"]
-CONTEXT_KEY, REFS_KEY = "browser_context", "browser_refs"  # in ctx.state
+                 "--disable-crash-reporter",
+                 "--force-webrtc-ip-handling-policy=disable_non_proxied_udp"]  # WebRTC's UDP would go around the guard
+CONTEXT_KEY, REFS_KEY, GUARD_KEY = "browser_context", "browser_refs", "browser_guard"  # in ctx.state
 _SNAPSHOT_REF = re.compile(r"\[ref=([\w-]+)\]")  # Playwright's element refs (e12, f3e12...)
 _REF_ARGUMENT = re.compile(r"^\[?(\d+)\]?$")
 
@@ -101,13 +110,26 @@ async def shutdown() -> None:
         await shared.playwright.stop()
 
 
+def _guard(ctx: ToolContext) -> Guard | None:
+    """The prompt's guard, None with --allow_private_urls (its proxy starts with the browser context)."""
+    if ctx.settings.allow_private_urls:
+        return None
+    if GUARD_KEY not in ctx.state:
+        ctx.state[GUARD_KEY] = Guard()
+        ctx.cleanups.append(ctx.state[GUARD_KEY].close)
+    return ctx.state[GUARD_KEY]
+
+
 async def _page(ctx: ToolContext) -> Any:
     """The prompt's current tab (the newest open one, so a link that opens a tab is followed)."""
     context = ctx.state.get(CONTEXT_KEY)
     if context is None or not context.browser.is_connected():
         browser = await _browser(ctx.settings)
+        options = {}
+        if guard := _guard(ctx):  # "<-loopback>": loopback goes through the guard too
+            options["proxy"] = {"server": await guard.start(), "bypass": "<-loopback>"}
         context = await browser.new_context(accept_downloads=False, service_workers="block", locale="en-US",
-                                            viewport={"width": 1280, "height": 800})
+                                            viewport={"width": 1280, "height": 800}, **options)
         context.set_default_timeout(ACTION_TIMEOUT_MS)
         context.set_default_navigation_timeout(NAVIGATION_TIMEOUT_MS)
         ctx.state[CONTEXT_KEY] = context
@@ -121,18 +143,25 @@ def _fail(error: str) -> dict:
 
 
 async def _act(ctx: ToolContext, action: Callable[[Any], Awaitable[dict | None]]) -> dict:
-    """Run one action on the current tab; report where the browser is afterwards."""
+    """Run one action on the current tab; report where the browser is afterwards, and what the guard
+    refused meanwhile: a page the guard kept the tab from is a failure, blocked parts of a page are listed."""
     from playwright.async_api import Error as PlaywrightError
 
+    guard = _guard(ctx)
+    seen = len(guard.refused) if guard else 0
     try:
         extra = await action(await _page(ctx)) or {}
         page = await _page(ctx)
         await page.wait_for_load_state("domcontentloaded")
-        return {"success": True, "error": None, "url": page.url, "title": await page.title(), **extra}
+        result = {"success": True, "error": None, "url": page.url, "title": await page.title(), **extra}
     except Refused as e:
         return _fail(str(e))
     except PlaywrightError as e:
-        return _fail(e.message.split("\nCall log:")[0].strip()[:MAX_ERROR_CHARS])  # Playwright's log is noise here
+        result = _fail(e.message.split("\nCall log:")[0].strip()[:MAX_ERROR_CHARS])  # Playwright's log is noise here
+    refused = list(dict.fromkeys(guard.refused[seen:])) if guard else []
+    if refused and (not result["success"] or result["url"].startswith("chrome-error:")):
+        return _fail("; ".join(refused) + (f" ({result['error']})" if result["error"] else ""))
+    return {**result, "blocked": refused} if refused else result
 
 
 def _number(tree: str) -> tuple[str, dict[str, str]]:
@@ -172,6 +201,8 @@ async def browser_navigate(ctx: ToolContext, url: object = None) -> dict:
     parts = urlsplit(url.strip()) if isinstance(url, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
         return _fail("`url` must be an http(s) URL; other schemes (file:, chrome:, about:...) are refused")
+    if (guard := _guard(ctx)) and (reason := await check_url(url.strip(), False, guard.check)):
+        return _fail(reason)
 
     async def go(page: Any) -> dict:
         response = await page.goto(url.strip(), wait_until="domcontentloaded")

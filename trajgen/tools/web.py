@@ -4,6 +4,11 @@ Every request is made by the runner, never by the sandbox. A provider's key goes
 provider; pages are fetched with no credentials at all (`trust_env=False` also keeps .netrc
 logins and proxy settings out of requests to arbitrary sites). Each provider's base URL can be
 overridden by an environment variable, for self-hosted instances and for tests.
+
+Pages on loopback, private and link-local addresses are refused unless --allow_private_urls
+(netguard): the URL and every redirect hop, which are followed here one by one for that. With
+Firecrawl the page is fetched by Firecrawl, which follows redirects itself; the URL the model gave
+is still checked, since a self-hosted Firecrawl may well sit inside the user's network.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+from trajgen.tools.netguard import check_url
 
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 10
@@ -165,26 +171,37 @@ def _page(url: str, final_url: str, title: str | None, content: str, truncated: 
             "truncated": truncated or cut, "error": None}
 
 
-async def _fetch(client: httpx.AsyncClient, url: str) -> dict:
-    """One page through the runner: redirects followed up to a limit, text types only, size capped."""
-    async with client.stream("GET", url) as response:
-        if response.status_code >= 400:
-            return {"url": url, "error": f"HTTP {response.status_code}"}
-        content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        if not _is_text(content_type):
-            return {"url": url, "error": f"content type {content_type or 'unknown'} is not text; not fetched"}
-        body = bytearray()
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > MAX_PAGE_BYTES:
-                break
-        truncated = len(body) > MAX_PAGE_BYTES
-        data, final_url = bytes(body[:MAX_PAGE_BYTES]), str(response.url)
-        encoding = response.charset_encoding or "utf-8"
+async def _fetch(client: httpx.AsyncClient, url: str, allow_private: bool) -> dict:
+    """One page through the runner: redirects followed up to a limit, each hop checked before it is
+    requested; text types only, size capped."""
+    target = httpx.URL(url)  # checked as httpx will read it
+    for hop in range(MAX_REDIRECTS + 1):
+        if reason := await check_url(str(target), allow_private):
+            return {"url": url, "error": f"redirected to {target}: {reason}" if hop else reason}
+        async with client.stream("GET", target) as response:
+            if not response.is_redirect:
+                return await _read(url, response)
+            target = response.url.join(response.headers["location"])
+    return {"url": url, "error": f"more than {MAX_REDIRECTS} redirects"}
+
+
+async def _read(url: str, response: httpx.Response) -> dict:
+    if response.status_code >= 400:
+        return {"url": url, "error": f"HTTP {response.status_code}"}
+    content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not _is_text(content_type):
+        return {"url": url, "error": f"content type {content_type or 'unknown'} is not text; not fetched"}
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_PAGE_BYTES:
+            break
+    truncated = len(body) > MAX_PAGE_BYTES
+    data, final_url = bytes(body[:MAX_PAGE_BYTES]), str(response.url)
     if content_type in ("text/html", "application/xhtml+xml"):
         content, title = await asyncio.to_thread(_html_to_markdown, data, final_url)
     else:
-        content, title = data.decode(encoding, "replace"), None
+        content, title = data.decode(response.charset_encoding or "utf-8", "replace"), None
     return _page(url, final_url, title, content, truncated)
 
 
@@ -201,10 +218,15 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
                  data.get("markdown") or "", False)
 
 
-async def _extract_one(client: httpx.AsyncClient, url: str, firecrawl: bool) -> dict:
+async def _extract_one(client: httpx.AsyncClient, url: str, firecrawl: bool, allow_private: bool) -> dict:
     try:
-        return await (_scrape(client, url) if firecrawl else _fetch(client, url))
-    except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as e:  # LookupError: a key, a charset
+        if not firecrawl:
+            return await _fetch(client, url, allow_private)
+        if reason := await check_url(url, allow_private):
+            return {"url": url, "error": reason}
+        return await _scrape(client, url)
+    # LookupError: a key, a charset; InvalidURL: a Location httpx cannot read
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, LookupError, TypeError, AttributeError) as e:
         reason = _api_error("firecrawl", e) if firecrawl else f"{type(e).__name__}: {e}"
         return {"url": url, "error": reason}
 
@@ -225,11 +247,12 @@ async def web_extract(ctx: ToolContext, urls: object = None) -> dict:
         client = httpx.AsyncClient(timeout=TIMEOUT)
     else:
         client = httpx.AsyncClient(
-            timeout=TIMEOUT, follow_redirects=True, max_redirects=MAX_REDIRECTS, trust_env=False,
+            timeout=TIMEOUT, trust_env=False,  # redirects are followed by _fetch, which checks each hop
             headers={"User-Agent": USER_AGENT, "Accept": "text/html, text/plain;q=0.9, */*;q=0.5"},
         )
     async with client:
-        pages = await asyncio.gather(*(_extract_one(client, url, firecrawl) for url in urls))
+        pages = await asyncio.gather(*(_extract_one(client, url, firecrawl, ctx.settings.allow_private_urls)
+                                       for url in urls))
     failed = [p for p in pages if p["error"]]
     error = "; ".join(f"{p['url']}: {p['error']}" for p in failed) if len(failed) == len(pages) else None
     return {"success": error is None, "error": error, "results": pages}
