@@ -27,7 +27,8 @@ from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, c
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, WorkerConfig
-from trajgen.workers import ProcessPool, worker_share
+from trajgen.ray_executor import check_executor, make_executor
+from trajgen.workers import worker_share
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_SYSTEM_PROMPT = (
@@ -56,6 +57,10 @@ def main(
     api_key: str | None = None,
     num_workers: int = 4,
     concurrency: int = 32,
+    executor: str = "processes",
+    ray_address: str | None = None,
+    worker_cpus: float = 1.0,
+    worker_memory: float | None = None,
     distribution: str = "default",
     max_turns: int = 10,
     resume: bool = False,
@@ -112,6 +117,10 @@ def main(
         api_key: API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers).
         num_workers: Worker processes.
         concurrency: Conversations in flight across all workers.
+        executor: Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).
+        ray_address: With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.
+        worker_cpus: With --executor=ray: CPUs each worker reserves (so, how many workers fit on a node).
+        worker_memory: With --executor=ray: MB of memory each worker reserves (default: none).
         distribution: Toolset distribution sampled per prompt (see --list_distributions).
         max_turns: API calls with tools per prompt before one last call asks for a final answer.
         resume: Continue an existing run: run only prompts without a final record.
@@ -272,7 +281,8 @@ def _validate(opts: dict) -> str:
         raise UsageError("--dataset_file is required")
     if opts["run_name"] is None or str(opts["run_name"]).strip() in ("", ".", ".."):
         raise UsageError("--run_name is required")
-    for name in ("run_name", "model", "base_url", "api_key", "distribution", "output_dir", "dataset_file", "docker_image"):
+    for name in ("run_name", "model", "base_url", "api_key", "distribution", "output_dir", "dataset_file", "docker_image",
+                 "ray_address"):
         if opts[name] is not None:  # Fire turns `--run_name=7` into an int
             opts[name] = str(opts[name])
     if "/" in opts["run_name"]:
@@ -292,6 +302,7 @@ def _validate(opts: dict) -> str:
         raise UsageError(f"--terminal_backend must be local or docker, got {backend!r}")
     if opts["provider_sort"] not in (None, "price", "throughput", "latency"):
         raise UsageError("--provider_sort must be price, throughput or latency")
+    check_executor(opts["executor"], opts["ray_address"], opts["worker_cpus"], opts["worker_memory"])
     if opts["reasoning_effort"] not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
     if not os.path.isfile(str(opts["dataset_file"])):
@@ -439,7 +450,8 @@ def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, mode
     store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": scheduler.now()})
     config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
                           worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
-    pool = ProcessPool(min(opts["num_workers"], max(1, plan.remaining)), config)
+    pool = make_executor(opts["executor"], min(opts["num_workers"], max(1, plan.remaining)), config,
+                         opts["ray_address"], opts["worker_cpus"], opts["worker_memory"])
     schedule = scheduler.Schedule(opts["run_name"], opts["batch_size"], opts["concurrency"], opts["require_reasoning"],
                                   opts["verbose"], opts["max_cost"], opts["max_total_tokens"])
     outcome = scheduler.execute(tasks, plan, pool, schedule, run_dir, missing_images, previous, started,

@@ -1,0 +1,281 @@
+"""The Ray executor end to end. Run only by tests/test_ray.py, inside a private network namespace.
+
+Ray may take the machine's non-loopback address and listen on it, so these tests start Ray only
+where loopback is the sole interface, and refuse anywhere else. The model server
+is the loopback scripted server, in the same namespace. An actor is killed the way the OOM
+killer would: SIGKILL to its process, found by the process title Ray gives it.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+if socket.if_nameindex() != [(1, "lo")]:
+    pytest.exit(f"refusing to start Ray outside a loopback-only network namespace (interfaces: "
+                f"{[name for _, name in socket.if_nameindex()]}); run tests/test_ray.py instead", returncode=3)
+
+# This process hosts private instances and a test cluster, and Ray fixes its auth mode when it is
+# imported: one token for all. The CLI runs below get a clean environment (the `cli` fixture).
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+
+import batch_runner  # noqa: E402
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl  # noqa: E402
+from trajgen.errors import WorkerCrashed  # noqa: E402
+from trajgen.ray_executor import RayPool  # noqa: E402
+from trajgen.sandbox.config import SandboxConfig  # noqa: E402
+from trajgen.tools import ToolSettings  # noqa: E402
+from trajgen.work import ModelSettings, Task, WorkerConfig  # noqa: E402
+
+SLOW = [{**call("terminal", command="echo hi"), "delay": 0.4}, {**think(), "delay": 0.4}]
+needs_wiring = pytest.mark.skipif("executor" not in inspect.signature(batch_runner.main).parameters,
+                                  reason="batch_runner has no --executor flag yet (make_executor is not wired)")
+
+
+@pytest.fixture
+def cli(cli):
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        cli.env.pop(name)
+    return cli
+
+
+def actor_pids() -> list[int]:
+    """The processes of the live worker actors (Ray titles them ray::_RayWorker[.method])."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::_RayWorker"):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} after {timeout} s")
+
+
+def rows_landed(run_dir: Path) -> int:
+    return sum(1 for p in run_dir.glob("batch_*.jsonl") for _ in p.open())
+
+
+def prompts_of(rows: list[dict]) -> list[str]:
+    return [r["conversations"][1]["value"] for r in rows]
+
+
+# --------------------------------------------------------------------------- the executor itself
+
+
+def _task(i: int, prompt: str) -> Task:
+    return Task(f"key-{i}", i, 0, prompt, None, None, {}, ["terminal"], ["terminal"])
+
+
+def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None) -> RayPool:
+    config = WorkerConfig(
+        ModelSettings(model="test-model", base_url=server.url, api_key="dummy-key", max_retries=1),
+        SandboxConfig(root_dir=str(tmp_path / "sandboxes")), ToolSettings(), {}, concurrency=4)
+    return RayPool(2, config, address, worker_memory=256, crash_retries=crash_retries)
+
+
+def _drain(pool: RayPool, until=None, timeout: float = 120) -> list[tuple]:
+    """Poll (which also hands queued prompts to actors that are up) until `until()`, else until nothing is in flight."""
+    messages: list[tuple] = []
+    deadline = time.monotonic() + timeout
+    while not (until() if until else not pool.inflight):
+        assert time.monotonic() < deadline, f"still waiting after {timeout} s"
+        messages += pool.poll(0.1)
+    return messages
+
+
+def test_executor_relays_results_throttle_and_fatal_once_each(scripted_server, tmp_path):
+    server = scripted_server({"prompts": {
+        "limited": [{"status": 429, "retry_after": "0", "times": 1, "then": think()}],
+        "refused": [{"status": 401, "error": "bad key"}],
+    }, "default": [call("terminal", command="echo hi"), think()]})
+    pool = _pool(server, tmp_path, crash_retries=0)
+    pool.start()
+    try:
+        tasks = [_task(i, f"prompt {i}") for i in range(10)] + [_task(10, "limited"), _task(11, "refused")]
+        for task in tasks:
+            pool.submit(task)
+        messages = _drain(pool)
+    finally:
+        pool.close()
+    results = {m[1].key: m[1] for m in messages if m[0] == "result"}
+    assert len([m for m in messages if m[0] == "result"]) == len(results) == 12
+    assert all(results[t.key].row is not None for t in tasks[:11])
+    assert results["key-11"].error_class == "FatalAPIError"
+    assert ("throttle",) in messages and any(m[0] == "fatal" and "HTTP 401" in m[1] for m in messages)
+    assert not (tmp_path / "sandboxes").exists()  # closing removed every sandbox
+
+
+def test_executor_killed_actor_prompts_come_back_failed_and_the_actor_restarts(scripted_server, tmp_path):
+    server = scripted_server({"default": SLOW})
+    pool = _pool(server, tmp_path, crash_retries=0)
+    pool.start()
+    try:
+        for i in range(8):
+            pool.submit(_task(i, f"prompt {i}"))
+        early = _drain(pool, until=lambda: len(server.requests()) >= 8)  # every prompt is in flight
+        victim = actor_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        results = [m[1] for m in early + _drain(pool) if m[0] == "result"]
+        assert sorted(r.key for r in results) == sorted(f"key-{i}" for i in range(8))
+        crashed = [r for r in results if r.error_class]
+        assert len(crashed) == 4 and {r.error_class for r in crashed} == {WorkerCrashed.__name__}
+        assert all(r.row for r in results if not r.error_class)
+        # Ray restarted the actor, and the pool sends it prompts again
+        _drain(pool, until=lambda: all(slot.up for slot in pool.slots), timeout=60)
+        assert len(pool.slots) == 2 and len(actor_pids()) == 2 and victim not in actor_pids()
+        for i in range(8, 16):
+            pool.submit(_task(i, f"prompt {i}"))
+        again = [m[1] for m in _drain(pool) if m[0] == "result"]
+        assert len(again) == 8 and all(r.row for r in again)
+    finally:
+        pool.close()
+
+
+def test_executor_without_any_worker_left_stops_the_run(scripted_server, tmp_path):
+    server = scripted_server({"default": SLOW})
+    pool = _pool(server, tmp_path, crash_retries=2)
+    pool.start()
+    try:
+        pool.submit(_task(0, "prompt 0"))
+        _drain(pool, until=server.requests)
+        for slot in pool.slots:
+            ray.kill(slot.actor, no_restart=True)  # as an operator's `ray kill` would: no restart
+        with pytest.raises(WorkerCrashed, match="every Ray worker is gone for good"):
+            _drain(pool, timeout=60)
+    finally:
+        pool.close()
+
+
+def test_executor_on_a_cluster_whose_node_dies_runs_the_lost_prompts_elsewhere(scripted_server, tmp_path, monkeypatch):
+    """Three Ray nodes on this machine: a head with no CPUs for workers, and two worker nodes, one of which dies."""
+    temp_dir = tempfile.mkdtemp(prefix="c", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", temp_dir)  # the cluster's files, instead of /tmp/ray
+    for name, value in (("RAY_health_check_period_ms", "500"), ("RAY_health_check_failure_threshold", "3")):
+        monkeypatch.setenv(name, value)  # the node's death is noticed in 1.5 s instead of about 15
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    server = scripted_server({"default": [{**call("terminal", command="echo hi"), "delay": 2}, think()]})
+    pool = _pool(server, tmp_path, crash_retries=1, address="auto")  # found as `ray start` leaves it
+    try:
+        pool.start()  # the driver joins the head, so that either worker node can die
+        nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+        for i in range(8):
+            pool.submit(_task(i, f"prompt {i}"))
+        early = _drain(pool, until=lambda: len(server.requests()) >= 8)
+        raylet = int(Path(f"/proc/{actor_pids()[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        cluster.remove_node(next(n for n in nodes if n.all_processes["raylet"][0].process.pid == raylet),
+                            allow_graceful=False)
+        messages = early + _drain(pool)
+    finally:
+        pool.close()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    results = [m[1] for m in messages if m[0] == "result"]
+    assert sorted(r.key for r in results) == sorted(f"key-{i}" for i in range(8))
+    assert all(r.row for r in results)  # the lost ones ran again, on the surviving node
+    assert any(m[0] == "log" and "died" in m[1] for m in messages) and len(server.requests()) > 2 * 8
+
+
+# --------------------------------------------------------------------------- the CLI (needs the wiring)
+
+
+def _normalized(run_dir: Path) -> dict:
+    """What must not depend on the executor: files, rows (less times and ids), statistics (less durations)."""
+    rows = sorted(({"index": r["prompt_index"], "batch": r["metadata"]["batch_num"], "completed": r["completed"],
+                    "turns": [t["from"] for t in r["conversations"]], "api_calls": r["api_calls"],
+                    "tool_stats": r["tool_stats"]} for r in read_jsonl(run_dir / "trajectories.jsonl")),
+                  key=lambda r: r["index"])
+    statistics = json.loads((run_dir / "statistics.json").read_text())
+    for key in ("run_name", "duration_seconds", "duration_seconds_total"):
+        statistics.pop(key)
+    return {"files": sorted(p.name for p in run_dir.iterdir()), "rows": rows, "statistics": statistics}
+
+
+@needs_wiring
+def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
+    server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
+    names = [f"prompt {i}" for i in range(12)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    tmp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {"TMPDIR": str(tmp)}
+    done = cli.run(*cli.args(server, run_name="p", batch_size=5, executor="processes"), env=env)
+    assert done.returncode == 0, done.stderr
+    done = cli.run(*cli.args(server, run_name="r", batch_size=5, executor="ray"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert _normalized(cli.run_dir("r")) == _normalized(cli.run_dir("p"))
+    assert sorted(prompts_of(read_jsonl(cli.run_dir("r") / "trajectories.jsonl"))) == sorted(names)
+    # nothing left behind: Ray's session files, sandboxes, the home directory
+    assert not list(tmp.iterdir()) and not list((cli.cwd / "home").iterdir())
+
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in ["new 1", *names, "new 2"]])
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, run_name="r", batch_size=5, executor="ray", resume=True), env=env)
+    assert done.returncode == 0, done.stderr
+    assert sorted({r["prompt"] for r in server.requests()[before:]}) == ["new 1", "new 2"]
+    assert sorted(prompts_of(read_jsonl(cli.run_dir("r") / "trajectories.jsonl"))) == sorted(names + ["new 1", "new 2"])
+    assert json.loads((cli.run_dir("r") / "statistics.json").read_text())["total_batches"] == 4
+    tmp.rmdir()
+
+
+@needs_wiring
+def test_cli_ray_actor_killed_mid_run_loses_and_repeats_nothing(cli, scripted_server):
+    server = scripted_server({"default": SLOW})
+    names = [f"prompt {i}" for i in range(30)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    process = cli.start(*cli.args(server, batch_size=5, concurrency=8, executor="ray"))
+    try:
+        wait_for(lambda: rows_landed(cli.run_dir()) >= 5, what="5 rows")
+        os.kill(wait_for(actor_pids, what="an actor")[0], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    assert process.returncode == 0, stderr
+    assert "died" in stderr and "gone for good" not in stderr  # Ray restarted the actor
+    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert sorted(prompts_of(rows)) == sorted(names)  # each exactly once: the lost prompts ran again
+    assert read_jsonl(cli.run_dir() / "failures.jsonl") == []
+    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    assert statistics["ok"] == 30 and statistics["failed"]["total"] == 0
+
+
+@needs_wiring
+def test_cli_ray_sigterm_mid_run_then_resume(cli, scripted_server):
+    server = scripted_server({"default": SLOW})
+    names = [f"prompt {i}" for i in range(30)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    process = cli.start(*cli.args(server, batch_size=5, concurrency=4, executor="ray"))
+    try:
+        wait_for(lambda: rows_landed(cli.run_dir()) >= 4, what="4 rows")
+        process.send_signal(signal.SIGTERM)  # ray.init takes SIGTERM; the executor gives it back to the runner
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    assert process.returncode == 130, stderr
+    assert not actor_pids()
+    landed = {r["conversations"][1]["value"] for p in cli.run_dir().glob("batch_*.jsonl") for r in read_jsonl(p)}
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, batch_size=5, concurrency=4, executor="ray", resume=True))
+    assert done.returncode == 0, done.stderr
+    assert sorted(prompts_of(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+    assert not {r["prompt"] for r in server.requests()[before:]} & landed

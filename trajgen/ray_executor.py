@@ -1,0 +1,317 @@
+"""The Ray executor: workers are Ray actors, on this machine or spread over a cluster.
+
+It has the process pool's interface (`start`, `submit`, `poll`, `cancel`, `kill`, `close`,
+`inflight`) and moves the same Task and Result, so the parent stays the single writer of the
+run directory and files, resume and statistics are those of a process-pool run. Each actor is an
+asyncio actor running `_Worker.run_one` (the process pool's own code) for many conversations at
+once, with its sandboxes on the node it landed on. When an actor or its node dies, Ray restarts
+the actor where it can, and its prompts run again, up to `crash_retries` times, before they come
+back failed as WorkerCrashed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from trajgen.errors import UsageError, WorkerCrashed
+from trajgen.sandbox.config import cleanup
+from trajgen.work import Result, Task, WorkerConfig
+from trajgen.workers import ProcessPool, _Worker
+
+try:
+    import ray
+    from ray.exceptions import RayActorError, RayError
+except ImportError:  # Ray is an optional extra
+    ray = None
+
+EXECUTORS = ("processes", "ray")
+STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and clean up at close
+LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
+
+
+class _RayWorker:
+    """One actor: a worker's conversations. Prompts arrive as `run` calls (one per prompt);
+    throttle, fatal and log messages wait in an outbox that the driver long-polls (`events`)."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.results: dict[str, Result] = {}
+        self.outbox: list[tuple] = []
+        self.news = asyncio.Event()
+        self.worker = _Worker(config, self._send)
+
+    def _send(self, message: tuple) -> None:
+        if message[0] == "result":
+            self.results[message[1].key] = message[1]
+        else:
+            self.outbox.append(message)
+            self.news.set()
+
+    async def ready(self) -> None:
+        """Answers once this actor (or its restarted self) is up."""
+
+    async def run(self, task: Task) -> Result | None:
+        """The prompt's Result, or None when `cancel` stopped it (not recorded, as in the process pool)."""
+        job = asyncio.create_task(self.worker.run_one(task))
+        self.worker.running[task.key] = job
+        await asyncio.wait([job])
+        return self.results.pop(task.key, None)
+
+    async def events(self) -> list[tuple]:
+        await self.news.wait()
+        self.news.clear()
+        messages, self.outbox = self.outbox, []
+        return messages
+
+    async def cancel(self) -> None:
+        """Cancel every conversation; returns once their sandboxes are closed."""
+        jobs = list(self.worker.running.values())
+        for job in jobs:
+            job.cancel()
+        if jobs:
+            await asyncio.wait(jobs)
+
+    async def stop(self) -> None:
+        await self.cancel()
+        await self.worker.client.close()
+
+    async def cleanup(self) -> None:
+        """Remove what this run left on this node (a crashed predecessor's work dirs and containers)."""
+        await asyncio.to_thread(cleanup, self.config.sandbox)
+
+
+@dataclass
+class _Slot:
+    """The driver's view of one actor: new prompts go to it only while it is up."""
+
+    number: int
+    actor: Any
+    watch: Any = None  # the pending `ready` call while down, the pending `events` call while up
+    up: bool = False
+    inflight: int = 0
+
+
+class RayPool:
+    """`num_workers` Ray actors; each holds up to its share of the run's concurrency."""
+
+    def __init__(self, num_workers: int, config: WorkerConfig, address: str | None = None,
+                 worker_cpus: float = 1.0, worker_memory: float | None = None, crash_retries: int = 2):
+        self.num_workers, self.config, self.address = num_workers, config, address
+        self.worker_cpus, self.worker_memory, self.crash_retries = worker_cpus, worker_memory, crash_retries
+        self.slots: list[_Slot] = []
+        self.queue: deque[Task] = deque()  # submitted, waiting for an actor that is up and has room
+        self.running: dict[Any, tuple[_Slot, Task]] = {}  # `run` call -> (actor, prompt)
+        self.crashes: Counter[str] = Counter()  # per prompt key: runs lost to a dead actor
+        self.temp_dir: str | None = None  # Ray's session files, for an instance we started
+        self.saved_env: dict[str, str | None] = {}  # variables to restore after a local instance
+
+    def start(self) -> None:
+        try:
+            self._init_ray()
+            actor_class = ray.remote(_RayWorker).options(
+                num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
+                max_restarts=-1, max_concurrency=self.config.concurrency + 2,  # + the `events` poll and one control call
+                scheduling_strategy="SPREAD",  # over the nodes: each brings its own cores for the sandboxes
+            )
+            self.slots = [self._watch(_Slot(i, actor_class.remote(self.config))) for i in range(self.num_workers)]
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_ray(self) -> None:
+        """Join `address`, or start a private local instance: on loopback only, its files in a temp dir,
+        room for every worker whatever the core count, and token auth with a fresh token in the
+        environment (nothing written to ~/.ray; Ray turns token auth on itself, before it reads the mode)."""
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+        if self.address is None:
+            self.temp_dir = tempfile.mkdtemp(prefix="trajgen-ray-")
+            self.saved_env = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+            os.environ.setdefault("RAY_AUTH_TOKEN", LOCAL_TOKEN)
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+            cpus = max(os.cpu_count() or 1, math.ceil(self.num_workers * self.worker_cpus))
+            options.update(address="local", num_cpus=cpus, _temp_dir=self.temp_dir, _node_ip_address="127.0.0.1")
+        else:
+            options["address"] = self.address
+        try:
+            ray.init(**options)
+        finally:
+            for sig, handler in handlers.items():  # ray.init takes SIGTERM; the parent owns the signals
+                signal.signal(sig, handler)
+
+    @property
+    def inflight(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    def submit(self, task: Task) -> None:
+        self.queue.append(task)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            room = [s for s in self.slots if s.up and s.inflight < self.config.concurrency]
+            if not room:
+                return
+            slot = min(room, key=lambda s: s.inflight)
+            task = self.queue.popleft()
+            self.running[slot.actor.run.remote(task)] = (slot, task)
+            slot.inflight += 1
+
+    def poll(self, timeout: float) -> list[tuple]:
+        """Messages from the actors; prompts of a dead actor run again elsewhere or come back failed."""
+        if not self.slots:
+            raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
+        watched = {s.watch: s for s in self.slots}
+        refs = [*self.running, *watched]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        messages: list[tuple] = []
+        for ref in ready:
+            messages += self._watched(watched[ref], ref) if ref in watched else self._finished(ref)
+        self._dispatch()
+        return messages
+
+    def _finished(self, ref: Any) -> list[tuple]:
+        slot, task = self.running.pop(ref)
+        slot.inflight -= 1
+        try:
+            result = ray.get(ref)
+        except RayError as e:
+            messages = self._down(slot, e) if isinstance(e, RayActorError) else []
+            if self.crashes[task.key] < self.crash_retries:
+                self.crashes[task.key] += 1
+                self.queue.appendleft(task)  # first in line for the next actor with room
+                return messages
+            failed = Result(task.key, task.prompt_index, task.batch_num, error_class=WorkerCrashed.__name__,
+                            message=f"Ray worker died: {_why(e)}")
+            return messages + [("result", failed)]
+        return [] if result is None else [("result", result)]
+
+    def _watched(self, slot: _Slot, ref: Any) -> list[tuple]:
+        if ref != slot.watch:  # an `events` call that failed with its actor, already replaced by `ready`
+            return []
+        try:
+            messages = ray.get(ref)
+        except RayError as e:
+            if slot.up:
+                return self._down(slot, e)
+            self.slots.remove(slot)  # Ray retries `ready` across restarts: it failed, so the actor is gone for good
+            return [("log", f"Ray worker {slot.number} is gone for good: {_why(e)}")]
+        if not slot.up:
+            slot.up, messages = True, []
+        slot.watch = slot.actor.events.remote()
+        return messages
+
+    def _down(self, slot: _Slot, error: Exception) -> list[tuple]:
+        """Stop sending it prompts until Ray has restarted it."""
+        if not slot.up:
+            return []
+        self._watch(slot)
+        return [("log", f"Ray worker {slot.number} died ({type(error).__name__}); its prompts run again "
+                        f"(up to {self.crash_retries} times each) while Ray restarts it")]
+
+    def _watch(self, slot: _Slot) -> _Slot:
+        slot.up = False
+        slot.watch = slot.actor.ready.options(max_task_retries=-1).remote()
+        return slot
+
+    def cancel(self, timeout: float = 10.0) -> list[tuple]:
+        """Cancel every conversation in flight (their sandboxes are closed); results that were
+        already on their way are returned so that no finished prompt is lost."""
+        self.queue.clear()
+        _wait_all([s.actor.cancel.remote() for s in self.slots if s.up], timeout)
+        arrived: list[tuple] = []
+        for ref in _wait_all(list(self.running), timeout):
+            try:
+                result = ray.get(ref)
+            except RayError:  # its actor died: not recorded, resume runs it
+                continue
+            if result is not None:
+                arrived.append(("result", result))
+        self.running.clear()
+        for slot in self.slots:
+            slot.inflight = 0
+        return arrived
+
+    def kill(self) -> None:
+        """Leave at once: the actors die, and with them (die-with-parent) their sandboxes' processes."""
+        try:
+            if ray.is_initialized():
+                for slot in self.slots:
+                    ray.kill(slot.actor, no_restart=True)
+        finally:
+            self._disconnect()
+
+    def close(self) -> None:
+        """Stop the actors, let each clean its node, and disconnect (stopping Ray if we started it)."""
+        try:
+            if ray.is_initialized():
+                up = [s.actor for s in self.slots if s.up]  # one that is restarting may never answer
+                _wait_all([actor.stop.remote() for actor in up], STOP_TIMEOUT)
+                _wait_all([actor.cleanup.remote() for actor in up], STOP_TIMEOUT)
+                for slot in self.slots:
+                    ray.kill(slot.actor, no_restart=True)
+        finally:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        ray.shutdown()
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self.saved_env = {}
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+def _wait_all(refs: list, timeout: float) -> list:
+    """The refs that are done within `timeout`."""
+    return ray.wait(refs, num_returns=len(refs), timeout=timeout)[0] if refs else []
+
+
+def _why(error: Exception) -> str:
+    """A Ray error in one line: its first line, and its last (the cause) when they differ."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def check_executor(executor: str, ray_address: str | None, worker_cpus: float, worker_memory: float | None) -> None:
+    """The executor flags, checked before anything is written."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"--executor must be processes or ray, got {executor!r}")
+    if executor == "processes":
+        return
+    if ray is None:
+        raise UsageError("--executor=ray needs Ray: pip install -e '.[ray]'")
+    if ray_address is not None and (not isinstance(ray_address, str) or not ray_address.strip()):
+        raise UsageError(f"--ray_address must be auto or a cluster address (host:port), got {ray_address!r}")
+    if not _positive(worker_cpus):
+        raise UsageError(f"--worker_cpus must be a number > 0, got {worker_cpus!r}")
+    if worker_memory is not None and not _positive(worker_memory):
+        raise UsageError(f"--worker_memory must be a number of MB > 0, got {worker_memory!r}")
+
+
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+def make_executor(executor: str, num_workers: int, config: WorkerConfig, ray_address: str | None = None,
+                  worker_cpus: float = 1.0, worker_memory: float | None = None) -> ProcessPool | RayPool:
+    """The pool the parent drives: worker processes here, or Ray actors (a local instance, or a cluster)."""
+    check_executor(executor, ray_address, worker_cpus, worker_memory)
+    if executor == "processes":
+        return ProcessPool(num_workers, config)
+    return RayPool(num_workers, config, ray_address, float(worker_cpus), worker_memory)
