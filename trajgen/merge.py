@@ -150,4 +150,5 @@ def statistics(merged: Merged, header: dict) -> dict:
         },
         "cost": everything.cost,
         "torn_lines_ignored": merged.torn,
+        "duplicate_rows_ignored": merged.duplicates_skipped,
     }

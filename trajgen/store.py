@@ -72,8 +72,6 @@ class Scan:
     """What the run directory already holds: the keys with a final record, and where to go on."""
 
     done: set[str] = field(default_factory=set)
-    rows: int = 0
-    discarded: int = 0
     next_batch: int = 0
     torn: list[str] = field(default_factory=list)
 
@@ -91,11 +89,9 @@ def scan(run_dir: Path) -> Scan:
         for row in read_records(path, result.torn):
             if key := row_key(row):
                 result.done.add(key)
-                result.rows += 1
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
-            result.discarded += 1
     return result
 
 
