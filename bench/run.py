@@ -4,7 +4,7 @@
 Everything is driven from the outside, as a user would: the real CLI as a subprocess against the
 loopback scripted server (`python -m tests.scripted_server`) as a separate process, on 127.0.0.1.
 
-    python bench/run.py                                  # every section, full sizes (takes a while)
+    python bench/run.py                                  # throughput, overhead, scale; full sizes (~35 min)
     python bench/run.py --quick                          # small N, one repeat: a smoke run
     python bench/run.py --sections=throughput,overhead   # some sections only
     python bench/run.py --sections=profile               # py-spy profile of the C=256 throughput run
@@ -142,7 +142,22 @@ class Server:
         OUT.mkdir(parents=True, exist_ok=True)
         self.script_path = OUT / f"script-{name}.json"
         self.script_path.write_text(json.dumps(script))
-        self.log = open(OUT / f"server-{name}.log", "wb")
+        self.latency = latency
+        self.log = open(OUT / f"server-{name}.log", "ab")
+        self.restarts = 0
+        self.start()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self) -> None:
+        """Someone else's cleanup may kill it (it happened): start a fresh one, on a new port."""
+        CHILDREN.stop(self.proc, grace=5)
+        self.restarts += 1
+        self.start()
+
+    def start(self) -> None:
+        latency = self.latency
         self.proc = CHILDREN.start(
             [sys.executable, "-m", "tests.scripted_server", "--script", str(self.script_path), "--latency", str(latency)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=_env(),
@@ -398,8 +413,31 @@ def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int
     ]
 
 
+class ServerDied(RuntimeError):
+    pass
+
+
 def run_cli(argv: list[str], run_name: str, n: int, server: Server, timeout: float, sample_rss: bool = True,
-            prompt_walls: bool = False, wrap: list[str] | None = None) -> RunResult:
+            prompt_walls: bool = False, wrap: list[str] | None = None, attempts: int = 3) -> RunResult:
+    """One CLI run; if the scripted server dies meanwhile, the run is thrown away and done again
+    against a fresh server."""
+    for attempt in range(attempts):
+        try:
+            return _run_cli_once(argv, run_name, n, server, timeout, sample_rss, prompt_walls, wrap)
+        except ServerDied:
+            if attempt == attempts - 1:
+                raise RuntimeError(f"{run_name}: the scripted server died {attempts} times")
+            old = server.url
+            say(f"[yellow]the scripted server died during {run_name} (not by us): restarting it and the run[/]")
+            server.restart()
+            argv = [a.replace(old, server.url) for a in argv]
+            if "--resume" not in argv:
+                _fresh(run_name)
+    raise AssertionError("unreachable")
+
+
+def _run_cli_once(argv: list[str], run_name: str, n: int, server: Server, timeout: float, sample_rss: bool,
+                  prompt_walls: bool, wrap: list[str] | None) -> RunResult:
     run_dir = OUT / "runs" / run_name
     log_path = OUT / "logs" / f"{run_name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -417,10 +455,18 @@ def run_cli(argv: list[str], run_name: str, n: int, server: Server, timeout: flo
         if sampler:
             sampler.start()
         try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            CHILDREN.stop(proc)
-            raise RuntimeError(f"{run_name}: the CLI did not finish within {timeout:.0f} s (see {log_path})")
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    rc = proc.wait(1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if not server.alive():
+                        CHILDREN.stop(proc)
+                        raise ServerDied(run_name)
+                    if time.monotonic() > deadline:
+                        CHILDREN.stop(proc)
+                        raise RuntimeError(f"{run_name}: the CLI did not finish within {timeout:.0f} s (see {log_path})")
         except BaseException:  # Ctrl-C: stop the CLI before the server goes away
             CHILDREN.stop(proc)
             raise
@@ -1273,7 +1319,8 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
             continue
         d = results[key]["data"]
         prof = d["summary"]
-        lines += ["", f"## Profile {key} — runner at {results[key].get('git_head', '?')}, {d['workers']}x{d['concurrency']}, "
+        tag = key.partition(":")[2]
+        lines += ["", f"## Profile{f' [{tag}]' if tag else ''} — runner at {results[key].get('git_head', '?')}, {d['workers']}x{d['concurrency']}, "
                       f"N={d['n']:,} (py-spy record --subprocesses --threads --idle; shares of busy samples)", "",
                   "Busy = samples whose leaf frame is not a thread blocked in a system call (epoll wait, idle "
                   "thread-pool threads, waitpid, the pipe reader). Files: "
