@@ -27,8 +27,7 @@ from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, c
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, WorkerConfig
-from trajgen.ray_executor import check_executor, make_executor
-from trajgen.workers import worker_share
+from trajgen.workers import ProcessPool, worker_share
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_SYSTEM_PROMPT = (
@@ -302,7 +301,9 @@ def _validate(opts: dict) -> str:
         raise UsageError(f"--terminal_backend must be local or docker, got {backend!r}")
     if opts["provider_sort"] not in (None, "price", "throughput", "latency"):
         raise UsageError("--provider_sort must be price, throughput or latency")
-    check_executor(opts["executor"], opts["ray_address"], opts["worker_cpus"], opts["worker_memory"])
+    if opts["executor"] != "processes":  # Ray is imported only when asked for: it costs every worker 0.3 s and 35 MB
+        from trajgen.ray_executor import check_executor
+        check_executor(opts["executor"], opts["ray_address"], opts["worker_cpus"], opts["worker_memory"])
     if opts["reasoning_effort"] not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
     if not os.path.isfile(str(opts["dataset_file"])):
@@ -450,8 +451,13 @@ def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, mode
     store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": scheduler.now()})
     config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
                           worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])
-    pool = make_executor(opts["executor"], min(opts["num_workers"], max(1, plan.remaining)), config,
-                         opts["ray_address"], opts["worker_cpus"], opts["worker_memory"])
+    workers = min(opts["num_workers"], max(1, plan.remaining))
+    if opts["executor"] == "processes":
+        pool = ProcessPool(workers, config)
+    else:
+        from trajgen.ray_executor import make_executor
+        pool = make_executor(opts["executor"], workers, config, opts["ray_address"], opts["worker_cpus"],
+                             opts["worker_memory"])
     schedule = scheduler.Schedule(opts["run_name"], opts["batch_size"], opts["concurrency"], opts["require_reasoning"],
                                   opts["verbose"], opts["max_cost"], opts["max_total_tokens"])
     outcome = scheduler.execute(tasks, plan, pool, schedule, run_dir, missing_images, previous, started,
