@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 import batch_runner
+from trajgen.options import RunOptions
 from tests.conftest import call, read_jsonl, write_jsonl
 
 FORMS = {
@@ -126,10 +128,10 @@ def test_bad_prefill_file_is_a_usage_error(cli, scripted_server):
 
 
 def test_openrouter_gets_its_own_reasoning_and_provider_objects():
-    opts = {"providers_allowed": ("a", "b"), "providers_ignored": "c", "providers_order": None,
-            "provider_sort": "latency", "reasoning_effort": "low", "reasoning_disabled": False}
-    body, effort, said = batch_runner._extra_body("https://openrouter.ai/api/v1", opts)
+    opts = RunOptions(providers_allowed=("a", "b"), providers_ignored="c", provider_sort="latency",
+                      reasoning_effort="low", base_url="https://openrouter.ai/api/v1")
+    body, effort, said = opts.request_extras()
     assert body == {"provider": {"only": ["a", "b"], "ignore": ["c"], "sort": "latency"}, "reasoning": {"effort": "low"}}
     assert effort is None and len(said) == 2
-    body, effort, _ = batch_runner._extra_body("http://127.0.0.1:8000/v1", {**opts, "reasoning_disabled": True})
+    body, effort, _ = replace(opts, base_url="http://127.0.0.1:8000/v1", reasoning_disabled=True).request_extras()
     assert "reasoning" not in body and effort == "none"

@@ -1,130 +1,122 @@
-"""The agent loop for one prompt: ask the model, run the tools it calls, repeat, build the row.
+"""The agent loop for one prompt, and the row it becomes.
 
-Ends on a reply without tool calls (completed) or after `max_turns` calls, when one last call
-without tools asks for a final answer (partial). Tool results are matched to calls by id.
+`run_conversation` asks the model, runs the tools it calls, and repeats until a reply without
+tool calls (completed) or `max_turns` calls, when one last call without tools asks for a final
+answer (partial). It keeps one transcript, the messages as sent; `render_row` turns that into
+the ShareGPT row, a pure function of the conversation. Tool results are matched to calls by id.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable
-
-import openai
 
 import model_tools
-from trajgen import llm, trajectory
+from trajgen import trajectory
+from trajgen.model import ModelClient, Reply
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.work import ModelSettings, Task
 
 FINAL_ANSWER_REQUEST = "You have used all your tool-calling turns. Give your final answer now, without calling tools."
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
 
 
-def _usage_add(total: dict, usage) -> None:
-    if usage is None:
-        return
-    total["prompt_tokens"] += usage.prompt_tokens or 0
-    total["completion_tokens"] += usage.completion_tokens or 0
-    details = usage.completion_tokens_details
-    total["reasoning_tokens"] += (details.reasoning_tokens or 0) if details else 0
-    cost = (usage.model_extra or {}).get("cost")
-    if isinstance(cost, (int, float)):
-        total["cost"] = (total["cost"] or 0.0) + cost
+@dataclass
+class Conversation:
+    messages: list[dict]  # as sent: system, prefill, the prompt, then assistant/tool/user turns
+    prompt_at: int  # index of the prompt's user message (what comes before it is never written)
+    offered: tuple[str, ...]  # the tools offered
+    replies: list[dict] = field(default_factory=list)  # each assistant message as the endpoint returned it
+    results: list[dict] = field(default_factory=list)  # each tool result, in the order of the tool messages
+    usage: dict = field(default_factory=lambda: {**dict.fromkeys(USAGE_KEYS, 0), "cost": None})
+    completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
+    wall_seconds: float = 0.0
+    ended_at: str = ""
+
+    def add_reply(self, reply: Reply, final_call: bool) -> list[dict]:
+        """Append the assistant message as it will be sent back; returns its tool calls."""
+        self.replies.append(reply.message)
+        for key in USAGE_KEYS:
+            self.usage[key] += reply.usage.get(key, 0)
+        if reply.usage.get("cost") is not None:
+            self.usage["cost"] = (self.usage["cost"] or 0.0) + reply.usage["cost"]
+        calls = [] if final_call else [
+            {"id": c.get("id") or f"call_{len(self.replies)}_{i}", "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments")}}
+            for i, c in enumerate(reply.message.get("tool_calls") or [])]
+        self.messages.append({"role": "assistant", "content": reply.message.get("content") or "",
+                              **({"tool_calls": calls} if calls else {})})
+        return calls
 
 
-def _run_messages(settings: ModelSettings, prompt: str) -> list[dict]:
+def start_messages(settings: ModelSettings, prompt: str) -> list[dict]:
     system = "\n\n".join(p for p in (settings.system_prompt, settings.ephemeral_system_prompt) if p)
     head = [{"role": "system", "content": system}] if system else []
     return [*head, *settings.prefill_messages, {"role": "user", "content": prompt}]
 
 
-async def run_conversation(
-    task: Task,
-    client: openai.AsyncOpenAI,
-    settings: ModelSettings,
-    tools: list[ToolSpec],
-    schemas: list[dict],
-    ctx: ToolContext,
-    on_throttle: Callable[[], None],
-) -> dict:
+async def run_conversation(prompt: str, model: ModelClient, settings: ModelSettings, tools: list[ToolSpec],
+                           schemas: list[dict], ctx: ToolContext) -> Conversation:
     started = time.monotonic()
-    messages = _run_messages(settings, task.prompt)
-    conversation = [{"from": "system", "value": settings.system_prompt}] if settings.system_prompt else []
-    conversation.append({"from": "human", "value": task.prompt})
+    messages = start_messages(settings, prompt)
+    conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools))
     offered = {t.name: t for t in tools}
-    stats = trajectory.empty_tool_stats(model_tools.ALL_TOOL_NAMES)
-    hallucinated: list[str] = []
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": None}
-    api_calls = reasoning_turns = assistant_turns = 0
-    completed = False
-
-    while True:
-        final_call = api_calls == settings.max_turns
+    for turn in range(settings.max_turns + 1):
+        final_call = turn == settings.max_turns
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
-            conversation.append({"from": "human", "value": FINAL_ANSWER_REQUEST})
-        # the last call still lists the tools (some providers refuse a history of tool calls without
-        # them) but forbids using them
-        response = await llm.complete(client, settings, messages, schemas, on_throttle, forbid_tools=final_call)
-        api_calls += 1
-        _usage_add(usage, response.usage)
-        message = response.choices[0].message
-        raw = message.model_dump(exclude_none=True)
-        reasoning, content = trajectory.split_reasoning(raw)
-        assistant_turns += 1
-        reasoning_turns += bool(reasoning)
-        calls = [] if final_call else [
-            {"id": c.id or f"call_{api_calls}_{i}", "name": c.function.name, "raw": c.function.arguments}
-            for i, c in enumerate(message.tool_calls or [])
-        ]
-        shown = [{"id": c["id"], "name": c["name"], "arguments": trajectory.parse_arguments(c["raw"])} for c in calls]
-        conversation.append(trajectory.gpt_turn(reasoning, content, shown))
-        sent = {"role": "assistant", "content": raw.get("content") or ""}
-        if calls:
-            sent["tool_calls"] = [
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["raw"]}} for c in calls
-            ]
-        messages.append(sent)
-        if final_call:
-            break
+        calls = conv.add_reply(await model.complete(messages, schemas, forbid_tools=final_call), final_call)
         if not calls:
-            completed = True
+            conv.completed = not final_call
             break
         for call in calls:
-            result = await model_tools.dispatch(call["name"], call["raw"], offered, ctx)
-            ok = bool(result.get("success"))
-            entry = stats.setdefault(call["name"], {"count": 0, "success": 0, "failure": 0})
-            entry["count"] += 1
-            entry["success" if ok else "failure"] += 1
-            if call["name"] not in offered and call["name"] not in hallucinated:
-                hallucinated.append(call["name"])
-            body = trajectory.envelope_json(result)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": body})
-            conversation.append(trajectory.tool_turn(call["id"], call["name"], result))
+            result = await model_tools.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
+            conv.results.append(result)
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(result)})
+    conv.wall_seconds = round(time.monotonic() - started, 3)
+    conv.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return conv
 
-    usage["api_calls"] = api_calls
-    usage["wall_seconds"] = round(time.monotonic() - started, 3)
+
+def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
+    """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
+    part or the prefill), per-tool counts, and the metadata the statistics read."""
+    turns = [{"from": "system", "value": settings.system_prompt}] if settings.system_prompt else []
+    turns.append({"from": "human", "value": task.prompt})
+    stats = trajectory.empty_tool_stats(model_tools.ALL_TOOL_NAMES)
+    hallucinated: list[str] = []
+    replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
+    reasoning_turns = 0
+    for message in conv.messages[conv.prompt_at + 1:]:
+        if message["role"] == "user":
+            turns.append({"from": "human", "value": message["content"]})
+        elif message["role"] == "assistant":
+            reasoning, content = trajectory.split_reasoning(next(replies))
+            reasoning_turns += bool(reasoning)
+            calls = [{"id": c["id"], "name": c["function"]["name"],
+                      "arguments": trajectory.parse_arguments(c["function"]["arguments"])}
+                     for c in message.get("tool_calls", [])]
+            pending = iter(calls)  # the tool messages that follow answer these calls, in order
+            turns.append(trajectory.gpt_turn(reasoning, content, calls))
+        else:
+            name, result = next(pending)["name"], next(results)
+            entry = stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            entry["count"] += 1
+            entry["success" if result.get("success") else "failure"] += 1
+            if name not in conv.offered and name not in hallucinated:
+                hallucinated.append(name)
+            turns.append(trajectory.tool_turn(message["tool_call_id"], name, result))
     metadata = {
-        "batch_num": task.batch_num,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": settings.model,
+        "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
         **{k: v for k, v in task.extra.items() if k not in ("batch_num", "timestamp", "model")},
-        "prompt_key": task.key,
-        "format_version": trajectory.FORMAT_VERSION,
-        "toolsets_sampled": task.toolsets_sampled,
-        "toolsets_offered": task.toolsets_offered,
-        "hallucinated_tools": hallucinated,
-        "assistant_turns": assistant_turns,
-        "turns_with_reasoning": reasoning_turns,
-        "usage": usage,
+        "prompt_key": task.key, "format_version": trajectory.FORMAT_VERSION,
+        "toolsets_sampled": task.toolsets_sampled, "toolsets_offered": task.toolsets_offered,
+        "hallucinated_tools": hallucinated, "assistant_turns": len(conv.replies), "turns_with_reasoning": reasoning_turns,
+        "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
     }
     return {
-        "prompt_index": task.prompt_index,
-        "conversations": conversation,
-        "metadata": metadata,
-        "completed": completed,
-        "partial": not completed,
-        "api_calls": api_calls,
-        "toolsets_used": task.toolsets_offered,
-        "tool_stats": stats,
+        "prompt_index": task.prompt_index, "conversations": turns, "metadata": metadata,
+        "completed": conv.completed, "partial": not conv.completed, "api_calls": len(conv.replies),
+        "toolsets_used": task.toolsets_offered, "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
     }

@@ -1,7 +1,7 @@
 """The Ray executor: workers are Ray actors, on this machine or spread over a cluster.
 
 It has the process pool's interface (`start`, `submit`, `poll`, `cancel`, `kill`, `close`,
-`inflight`) and moves the same Task and Result, so the parent stays the single writer of the
+`inflight`) and moves the same Task, PromptOutcome and events, so the parent stays the single writer of the
 run directory and files, resume and statistics are those of a process-pool run. Each actor is an
 asyncio actor running `_Worker.run_one` (the process pool's own code) for many conversations at
 once, with its sandboxes on the node it landed on. When an actor or its node dies, Ray restarts
@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajgen.errors import UsageError, WorkerCrashed
+from trajgen.messages import Event, Finished, Log
+from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox.config import cleanup
-from trajgen.work import Result, Task, WorkerConfig
-from trajgen.workers import ProcessPool, _Worker
+from trajgen.work import Task, WorkerConfig
+from trajgen.workers import _Worker
 
 try:
     import ray
@@ -44,14 +46,14 @@ class _RayWorker:
 
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.results: dict[str, Result] = {}
-        self.outbox: list[tuple] = []
+        self.outcomes: dict[str, PromptOutcome] = {}
+        self.outbox: list[Event] = []
         self.news = asyncio.Event()
         self.worker = _Worker(config, self._send)
 
-    def _send(self, message: tuple) -> None:
-        if message[0] == "result":
-            self.results[message[1].key] = message[1]
+    def _send(self, message: Event) -> None:
+        if isinstance(message, Finished):
+            self.outcomes[message.outcome.key] = message.outcome
         else:
             self.outbox.append(message)
             self.news.set()
@@ -59,14 +61,14 @@ class _RayWorker:
     async def ready(self) -> None:
         """Answers once this actor (or its restarted self) is up."""
 
-    async def run(self, task: Task) -> Result | None:
-        """The prompt's Result, or None when `cancel` stopped it (not recorded, as in the process pool)."""
+    async def run(self, task: Task) -> PromptOutcome | None:
+        """The prompt's outcome, or None when `cancel` stopped it (not recorded, as in the process pool)."""
         job = asyncio.create_task(self.worker.run_one(task))
         self.worker.running[task.key] = job
         await asyncio.wait([job])
-        return self.results.pop(task.key, None)
+        return self.outcomes.pop(task.key, None)
 
-    async def events(self) -> list[tuple]:
+    async def events(self) -> list[Event]:
         await self.news.wait()
         self.news.clear()
         messages, self.outbox = self.outbox, []
@@ -74,11 +76,7 @@ class _RayWorker:
 
     async def cancel(self) -> None:
         """Cancel every conversation; returns once their sandboxes are closed."""
-        jobs = list(self.worker.running.values())
-        for job in jobs:
-            job.cancel()
-        if jobs:
-            await asyncio.wait(jobs)
+        await self.worker.cancel_all()
 
     async def stop(self) -> None:
         await self.cancel()
@@ -166,7 +164,7 @@ class RayPool:
             self.running[slot.actor.run.remote(task)] = (slot, task)
             slot.inflight += 1
 
-    def poll(self, timeout: float) -> list[tuple]:
+    def poll(self, timeout: float) -> list[Event]:
         """Messages from the actors; prompts of a dead actor run again elsewhere or come back failed."""
         if not self.slots:
             raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
@@ -175,13 +173,13 @@ class RayPool:
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        messages: list[tuple] = []
+        messages: list[Event] = []
         for ref in ready:
             messages += self._watched(watched[ref], ref) if ref in watched else self._finished(ref)
         self._dispatch()
         return messages
 
-    def _finished(self, ref: Any) -> list[tuple]:
+    def _finished(self, ref: Any) -> list[Event]:
         slot, task = self.running.pop(ref)
         slot.inflight -= 1
         try:
@@ -192,12 +190,10 @@ class RayPool:
                 self.crashes[task.key] += 1
                 self.queue.appendleft(task)  # first in line for the next actor with room
                 return messages
-            failed = Result(task.key, task.prompt_index, task.batch_num, error_class=WorkerCrashed.__name__,
-                            message=f"Ray worker died: {_why(e)}")
-            return messages + [("result", failed)]
-        return [] if result is None else [("result", result)]
+            return messages + [Finished(decide(task, error=WorkerCrashed(f"Ray worker died: {_why(e)}")))]
+        return [] if result is None else [Finished(result)]
 
-    def _watched(self, slot: _Slot, ref: Any) -> list[tuple]:
+    def _watched(self, slot: _Slot, ref: Any) -> list[Event]:
         if ref != slot.watch:  # an `events` call that failed with its actor, already replaced by `ready`
             return []
         try:
@@ -206,18 +202,18 @@ class RayPool:
             if slot.up:
                 return self._down(slot, e)
             self.slots.remove(slot)  # Ray retries `ready` across restarts: it failed, so the actor is gone for good
-            return [("log", f"Ray worker {slot.number} is gone for good: {_why(e)}")]
+            return [Log(f"Ray worker {slot.number} is gone for good: {_why(e)}")]
         if not slot.up:
             slot.up, messages = True, []
         slot.watch = slot.actor.events.remote()
         return messages
 
-    def _down(self, slot: _Slot, error: Exception) -> list[tuple]:
+    def _down(self, slot: _Slot, error: Exception) -> list[Event]:
         """Stop sending it prompts until Ray has restarted it."""
         if not slot.up:
             return []
         self._watch(slot)
-        return [("log", f"Ray worker {slot.number} died ({type(error).__name__}); its prompts run again "
+        return [Log(f"Ray worker {slot.number} died ({type(error).__name__}); its prompts run again "
                         f"(up to {self.crash_retries} times each) while Ray restarts it")]
 
     def _watch(self, slot: _Slot) -> _Slot:
@@ -225,19 +221,19 @@ class RayPool:
         slot.watch = slot.actor.ready.options(max_task_retries=-1).remote()
         return slot
 
-    def cancel(self, timeout: float = 10.0) -> list[tuple]:
+    def cancel(self, timeout: float = 10.0) -> list[Event]:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
         self.queue.clear()
         _wait_all([s.actor.cancel.remote() for s in self.slots if s.up], timeout)
-        arrived: list[tuple] = []
+        arrived: list[Event] = []
         for ref in _wait_all(list(self.running), timeout):
             try:
                 result = ray.get(ref)
             except RayError:  # its actor died: not recorded, resume runs it
                 continue
             if result is not None:
-                arrived.append(("result", result))
+                arrived.append(Finished(result))
         self.running.clear()
         for slot in self.slots:
             slot.inflight = 0
@@ -309,9 +305,7 @@ def _positive(value) -> bool:
 
 
 def make_executor(executor: str, num_workers: int, config: WorkerConfig, ray_address: str | None = None,
-                  worker_cpus: float = 1.0, worker_memory: float | None = None) -> ProcessPool | RayPool:
-    """The pool the parent drives: worker processes here, or Ray actors (a local instance, or a cluster)."""
+                  worker_cpus: float = 1.0, worker_memory: float | None = None) -> RayPool:
+    """Ray actors for the parent to drive (a private local instance, or a cluster)."""
     check_executor(executor, ray_address, worker_cpus, worker_memory)
-    if executor == "processes":
-        return ProcessPool(num_workers, config)
     return RayPool(num_workers, config, ray_address, float(worker_cpus), worker_memory)

@@ -1,5 +1,6 @@
-"""The parent's loop: admit prompts one at a time, write each result as it arrives, checkpoint
-as batches end, back off on 429s, stop cleanly on Ctrl-C, a fatal API error or a spend limit."""
+"""The parent's loop: admit prompts one at a time, write each outcome as it arrives, checkpoint
+as batches end, back off on 429s, stop cleanly on Ctrl-C, a fatal API error, a failed health
+check or a spend limit."""
 from __future__ import annotations
 
 import os
@@ -9,44 +10,50 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from trajgen import console, store
 from trajgen.errors import ImageUnavailable
+from trajgen.messages import Event, Fatal, Finished, Log, Throttled
+from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
-from trajgen.work import Result, Task
+from trajgen.work import Task
+
+POLL_SECONDS = 0.2
 
 
 class Executor(Protocol):
-    """Where prompts run: the process pool here; any executor with these methods fits."""
+    """Where prompts run: the process pool, or Ray actors; any executor with these methods fits."""
 
     inflight: int
 
     def start(self) -> None: ...
     def submit(self, task: Task) -> None: ...
-    def poll(self, timeout: float) -> list[tuple]: ...
-    def cancel(self) -> list[tuple]: ...
+    def poll(self, timeout: float) -> list[Event]: ...
+    def cancel(self) -> list[Event]: ...
     def kill(self) -> None: ...
     def close(self) -> None: ...
 
 
-@dataclass
-class Schedule:
+@dataclass(frozen=True)
+class Limits:
     run_name: str
     batch_size: int
     concurrency: int
-    require_reasoning: bool = True
     verbose: bool = False
     max_cost: float | None = None
     max_total_tokens: int | None = None
+    health_check: Callable[[], str | None] | None = None  # a reason string stops the run like a fatal API error
 
 
 @dataclass
-class Outcome:
+class RunEnd:
+    """How the loop ended; the exit status is decided from it."""
+
     failed: int = 0
     not_run: int = 0
     interrupted: bool = False
-    fatal: str | None = None
+    fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
     budget: str | None = None  # which spend limit stopped the run
 
 
@@ -73,8 +80,8 @@ class _Signals:
 
 
 class _Spend:
-    def __init__(self, schedule: Schedule):
-        self.schedule, self.cost, self.tokens = schedule, 0.0, 0
+    def __init__(self, limits: Limits):
+        self.limits, self.cost, self.tokens = limits, 0.0, 0
 
     def add(self, row: dict) -> None:
         usage = row["metadata"]["usage"]
@@ -82,7 +89,7 @@ class _Spend:
         self.tokens += usage["prompt_tokens"] + usage["completion_tokens"]
 
     def exceeded(self) -> str | None:
-        s = self.schedule
+        s = self.limits
         if s.max_cost is not None and self.cost >= s.max_cost:
             return f"--max_cost={s.max_cost} reached (${self.cost:.4f} spent)"
         if s.max_total_tokens is not None and self.tokens >= s.max_total_tokens:
@@ -90,104 +97,121 @@ class _Spend:
         return None
 
 
-def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedule, run_dir: Path,
-            missing_images: dict[str, str], previous_seconds: float, started: float, on_exit) -> Outcome:
-    """Run the plan on `pool`; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
-    outcome = Outcome()
-    writer = store.Writer(run_dir)
-    counts: Counter = Counter()
-    spend = _Spend(schedule)
-    left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
-    batches = plan.batch_count(schedule.batch_size)
-    window = float(schedule.concurrency)  # conversations admitted; halves on 429, grows back per completion
-    last_throttle = 0.0
+class Scheduler:
+    """One run of the plan on an executor. The only writer of the run directory while it runs."""
 
-    def checkpoint() -> dict:
+    def __init__(self, plan: Plan, pool: Executor, limits: Limits, run_dir: Path, missing_images: dict[str, str],
+                 previous_seconds: float, started: float):
+        self.plan, self.pool, self.limits, self.missing_images = plan, pool, limits, missing_images
+        self.previous_seconds, self.started = previous_seconds, started
+        self.writer = store.Writer(run_dir)
+        self.end = RunEnd()
+        self.counts: Counter = Counter()
+        self.spend = _Spend(limits)
+        self.left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
+        self.batches = plan.batch_count(limits.batch_size)
+        self.window = float(limits.concurrency)  # conversations admitted; halves on 429, grows back per completion
+        self.last_throttle = 0.0
+        self.exhausted = False
+
+    def checkpoint(self) -> dict:
         return {
-            "run_name": schedule.run_name, "updated_at": now(), "next_batch": plan.first_batch + batches,
-            "batches_open": sorted(left), "counts_this_invocation": dict(counts),
-            "remaining_this_invocation": plan.remaining - sum(counts.values()),
-            "duration_seconds_total": round(previous_seconds + time.monotonic() - started, 3),
+            "run_name": self.limits.run_name, "updated_at": now(), "next_batch": self.plan.first_batch + self.batches,
+            "batches_open": sorted(self.left), "counts_this_invocation": dict(self.counts),
+            "remaining_this_invocation": self.plan.remaining - sum(self.counts.values()),
+            "duration_seconds_total": round(self.previous_seconds + time.monotonic() - self.started, 3),
         }
 
-    def start(task: Task) -> None:
-        if task.batch_num not in left:
-            offset = (task.batch_num - plan.first_batch) * schedule.batch_size
-            left[task.batch_num] = min(schedule.batch_size, plan.remaining - offset)
-
-    def record(result: Result) -> None:
-        base = {"prompt_key": result.key, "prompt_index": result.prompt_index, "batch_num": result.batch_num}
-        if result.row is not None:
-            spend.add(result.row)
-            if schedule.require_reasoning and not result.row["metadata"]["turns_with_reasoning"]:
-                writer.discarded({**base, "reason": "no_reasoning", "row": result.row})
-                counts["discarded"] += 1
+    def admit(self, tasks: Iterator[Task]) -> None:
+        """Hand out prompts while the window has room; a prompt whose image is missing fails here."""
+        while not self.exhausted and self.pool.inflight < int(self.window):
+            task = next(tasks, None)
+            if task is None:
+                self.exhausted = True
+                return
+            if task.batch_num not in self.left:
+                offset = (task.batch_num - self.plan.first_batch) * self.limits.batch_size
+                self.left[task.batch_num] = min(self.limits.batch_size, self.plan.remaining - offset)
+            if task.image in self.missing_images and needs_sandbox(task):
+                self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")))
             else:
-                writer.row(result.batch_num, result.row)
-                counts["ok"] += 1
-        else:
-            writer.failed({**base, "error_class": result.error_class, "message": result.message, "time": now()})
-            counts["failed"] += 1
-            if schedule.verbose:
-                console.err.print(f"prompt {result.prompt_index} failed: {result.error_class}: {result.message}")
-        left[result.batch_num] -= 1
-        if left[result.batch_num] == 0:
-            del left[result.batch_num]
-            writer.end_batch(result.batch_num)
-            writer.checkpoint(checkpoint())
+                self.pool.submit(task)
 
-    def leave_now() -> None:
-        pool.kill()
-        writer.close(checkpoint())
+    def record(self, outcome: PromptOutcome) -> None:
+        base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
+        match outcome.status:
+            case Status.OK:
+                self.spend.add(outcome.row)
+                self.writer.row(outcome.batch_num, outcome.row)
+            case Status.DISCARDED:
+                self.spend.add(outcome.row)
+                self.writer.discarded({**base, "reason": outcome.reason, "row": outcome.row})
+            case Status.FAILED:
+                trace = {"traceback": outcome.traceback} if outcome.traceback else {}
+                self.writer.failed({**base, "error_class": outcome.reason, "message": outcome.message, "time": now(),
+                                    **trace})
+                if self.limits.verbose:
+                    console.err.print(f"prompt {outcome.prompt_index} failed: {outcome.reason}: {outcome.message}")
+        self.counts[outcome.status.value] += 1
+        self.left[outcome.batch_num] -= 1
+        if self.left[outcome.batch_num] == 0:
+            del self.left[outcome.batch_num]
+            self.writer.end_batch(outcome.batch_num)
+            self.writer.checkpoint(self.checkpoint())
+
+    def handle(self, event: Event) -> None:
+        match event:
+            case Finished(outcome):
+                self.record(outcome)
+                self.window = min(float(self.limits.concurrency), self.window + 1)
+            case Throttled() if time.monotonic() - self.last_throttle > 2.0:
+                self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
+            case Fatal(reason):
+                self.end.fatal = self.end.fatal or reason
+            case Log(text):
+                console.err.print(text)
+
+    def should_stop(self, signals: _Signals) -> bool:
+        """Stop admitting on a limit; leave the loop at once on a signal, a fatal error or when all is back."""
+        self.end.budget = self.end.budget or self.spend.exceeded()
+        if self.end.fatal is None and self.limits.health_check is not None:
+            self.end.fatal = self.limits.health_check()
+        if signals.count > 0 or self.end.fatal is not None:
+            return True
+        return (self.exhausted or self.end.budget is not None) and self.pool.inflight == 0
+
+    def execute(self, tasks: Iterator[Task], on_exit: Callable[[], None]) -> RunEnd:
+        """Run the plan; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
+        signals = _Signals(lambda: self.leave_now(on_exit))
+        self.pool.start()
+        progress = console.progress_bar()
+        bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
+        try:
+            with progress:
+                while not self.should_stop(signals):
+                    if self.end.budget is None:
+                        self.admit(tasks)
+                    for event in self.pool.poll(POLL_SECONDS):
+                        self.handle(event)
+                    done = sum(self.counts.values())
+                    progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
+                                    **self.counts)
+                if self.pool.inflight:
+                    for event in self.pool.cancel():
+                        if isinstance(event, Finished):
+                            self.record(event.outcome)
+        finally:
+            self.pool.close()
+            self.writer.close(self.checkpoint())
+            signals.restore()
+        self.end.interrupted = signals.count > 0
+        self.end.failed = self.counts["failed"]
+        self.end.not_run = self.plan.remaining - sum(self.counts.values())
+        return self.end
+
+    def leave_now(self, on_exit: Callable[[], None]) -> None:
+        self.pool.kill()
+        self.writer.close(self.checkpoint())
         on_exit()
         console.err.print(f"\nstopped at once; resume with:\n  {console.resume_command()}")
         os._exit(130)
-
-    signals = _Signals(leave_now)
-    pool.start()
-    exhausted = False
-    progress = console.progress_bar()
-    bar = progress.add_task("prompts", total=plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
-    try:
-        with progress:
-            while True:
-                outcome.budget = outcome.budget or spend.exceeded()
-                stopping = signals.count > 0 or outcome.fatal is not None
-                while not (stopping or outcome.budget or exhausted) and pool.inflight < int(window):
-                    task = next(tasks, None)
-                    if task is None:
-                        exhausted = True
-                    elif task.image in missing_images and needs_sandbox(task):
-                        start(task)
-                        record(Result(task.key, task.prompt_index, task.batch_num, error_class=ImageUnavailable.__name__,
-                                      message=f"image {task.image}: {missing_images[task.image]}"))
-                    else:
-                        start(task)
-                        pool.submit(task)
-                if stopping or ((exhausted or outcome.budget) and pool.inflight == 0):
-                    break
-                for message in pool.poll(0.2):
-                    kind = message[0]
-                    if kind == "result":
-                        record(message[1])
-                        window = min(float(schedule.concurrency), window + 1)
-                    elif kind == "throttle" and time.monotonic() - last_throttle > 2.0:
-                        window, last_throttle = max(1.0, window / 2), time.monotonic()
-                    elif kind == "fatal":
-                        outcome.fatal = outcome.fatal or message[1]
-                    elif kind == "log":
-                        console.err.print(message[1])
-                done = sum(counts.values())
-                progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - started), **counts)
-            if pool.inflight:
-                for message in pool.cancel():
-                    if message[0] == "result":
-                        record(message[1])
-    finally:
-        pool.close()
-        writer.close(checkpoint())
-        signals.restore()
-    outcome.interrupted = signals.count > 0
-    outcome.failed = counts["failed"]
-    outcome.not_run = plan.remaining - sum(counts.values())
-    return outcome

@@ -1,6 +1,7 @@
-"""What travels between the planner and the workers: one prompt out, one result back.
+"""What the parent hands the workers: the settings once (`WorkerConfig`), then one `Task` per prompt.
 
-Any executor (the process pool here, a cluster later) only has to move these two dataclasses.
+Any executor (the process pool, the Ray actors) moves only these, the messages of
+trajgen/messages.py and the `PromptOutcome`s of trajgen/outcome.py.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class WorkerConfig:
     tools: ToolSettings
     unavailable_tools: dict[str, str]  # decided once by the parent, so every worker offers the same
     concurrency: int  # conversations this worker may hold at once
+    require_reasoning: bool = True  # a row with no reasoning at all is discarded
     verbose: bool = False
 
 
@@ -50,13 +52,3 @@ class Task:
     extra: dict
     toolsets_sampled: list[str]
     toolsets_offered: list[str]
-
-
-@dataclass
-class Result:
-    key: str
-    prompt_index: int
-    batch_num: int
-    row: dict | None = None  # the trajectory row, when the conversation ended
-    error_class: str | None = None  # set when the prompt failed
-    message: str | None = None

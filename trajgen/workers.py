@@ -1,8 +1,9 @@
 """The process pool: worker processes, each an asyncio loop holding many conversations.
 
-The parent hands out one prompt at a time (`submit`) and reads results back (`poll`); nothing
-else crosses the boundary, so another executor can replace this one. Workers never write the
-run directory and print nothing: logs travel to the parent, which owns the terminal.
+The parent hands out one prompt at a time (`submit`) and reads events back (`poll`): only the
+messages of trajgen/messages.py cross the boundary, so the Ray executor reuses the worker as it
+is. Workers print nothing (logs travel to the parent, which owns the terminal) and write
+nothing of the run's records; the only files they make are those tools save for the user.
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from typing import Callable
 import model_tools
 from trajgen import agent, llm
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
+from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
+from trajgen.model import OpenAIModel
+from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
 from trajgen.sandbox.config import open_sandbox
 from trajgen.tools import ToolContext, ToolSpec
-from trajgen.work import Result, Task, WorkerConfig
-
-# Messages: parent -> worker ("task", Task) | ("cancel",) | ("stop",)
-#           worker -> parent ("result", Result) | ("throttle",) | ("fatal", str) | ("log", str) | ("cancelled",)
+from trajgen.work import Task, WorkerConfig
 
 
 class _Prompt:
@@ -52,12 +53,13 @@ class _Prompt:
 
 
 class _Worker:
-    """A worker's conversations. `send` carries its messages out: the pipe here, a Ray actor's
+    """A worker's conversations. `send` carries its events out: the pipe here, a Ray actor's
     outbox in trajgen/ray_executor.py, which reuses `run_one` as it is."""
 
-    def __init__(self, config: WorkerConfig, send: Callable[[tuple], None]):
+    def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
         self.client = llm.make_client(config.model, config.concurrency)
+        self.model = OpenAIModel(self.client, config.model, on_throttle=lambda: self.send(Throttled()))
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
 
@@ -70,29 +72,34 @@ class _Worker:
         return self.schemas[combo]
 
     async def run_one(self, task: Task) -> None:
+        """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run."""
         prompt = _Prompt(task, self.config)
-        tools, schemas = self.tools_for(task.toolsets_offered)
-        result = Result(task.key, task.prompt_index, task.batch_num)
         try:
-            async with asyncio.timeout(self.config.model.prompt_timeout):
-                result.row = await agent.run_conversation(
-                    task, self.client, self.config.model, tools, schemas, prompt.ctx, lambda: self.send(("throttle",))
-                )
-        except TimeoutError:
-            result.error_class, result.message = PromptTimeout.__name__, (
-                f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s"
-            )
-        except FatalAPIError as e:
-            result.error_class, result.message = FatalAPIError.__name__, str(e)
-            self.send(("fatal", str(e)))
-        except Exception as e:  # any other error fails this prompt only; resume retries it
-            result.error_class, result.message = llm.describe(e)
-            if self.config.verbose:
-                self.send(("log", f"{task.key}: {traceback.format_exc()}"))
+            outcome = await self._converse(task, prompt)
         finally:
             await prompt.close()
             self.running.pop(task.key, None)
-        self.send(("result", result))
+        if outcome.reason == FatalAPIError.__name__:
+            self.send(Fatal(outcome.message))
+        elif outcome.traceback and self.config.verbose:
+            self.send(Log(f"{task.key}: {outcome.traceback}"))
+        self.send(Finished(outcome))
+
+    async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
+        tools, schemas = self.tools_for(task.toolsets_offered)
+        deadline = asyncio.timeout(self.config.model.prompt_timeout)
+        try:
+            async with deadline:
+                conversation = await agent.run_conversation(task.prompt, self.model, self.config.model, tools,
+                                                            schemas, prompt.ctx)
+        except TimeoutError as e:
+            if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
+                return decide(task, error=e)
+            return decide(task, error=PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s"))
+        except Exception as e:  # any other error fails this prompt only; resume retries it
+            return decide(task, error=e)
+        row = agent.render_row(task, conversation, self.config.model)
+        return decide(task, row=row, require_reasoning=self.config.require_reasoning)
 
     async def serve(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()
@@ -103,26 +110,29 @@ class _Worker:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    message = ("stop",)
+                    message = Stop()
                 loop.call_soon_threadsafe(inbox.put_nowait, message)
-                if message[0] == "stop":
+                if isinstance(message, Stop):
                     return
 
         threading.Thread(target=read, daemon=True).start()
         while True:
-            message = await inbox.get()
-            if message[0] == "task":
-                task = message[1]
-                self.running[task.key] = asyncio.create_task(self.run_one(task))
-            elif message[0] in ("cancel", "stop"):
-                pending = list(self.running.values())
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                if message[0] == "stop":
+            match await inbox.get():
+                case Submit(task):
+                    self.running[task.key] = asyncio.create_task(self.run_one(task))
+                case Cancel():
+                    await self.cancel_all()
+                    self.send(Cancelled())
+                case Stop():
+                    await self.cancel_all()
                     break
-                self.send(("cancelled",))
         await self.client.close()
+
+    async def cancel_all(self) -> None:
+        pending = list(self.running.values())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _worker_main(conn: Connection, config: WorkerConfig) -> None:
@@ -163,21 +173,21 @@ class ProcessPool:
     def submit(self, task: Task) -> None:
         worker = min(self.workers, key=lambda w: len(w.inflight))
         worker.inflight[task.key] = task
-        worker.conn.send(("task", task))
+        worker.conn.send(Submit(task))
 
-    def poll(self, timeout: float) -> list[tuple]:
+    def poll(self, timeout: float) -> list[Event]:
         """Messages from the workers; a dead worker's prompts come back as failed and it is replaced."""
         conns = {w.conn: w for w in self.workers}
         sentinels = {w.process.sentinel: w for w in self.workers}
-        messages: list[tuple] = []
+        messages: list[Event] = []
         for ready in wait([*conns, *sentinels], timeout):
             worker = conns.get(ready) or sentinels[ready]
             if ready in conns:
                 try:
                     while worker.conn.poll():
                         message = worker.conn.recv()
-                        if message[0] == "result":
-                            worker.inflight.pop(message[1].key, None)
+                        if isinstance(message, Finished):
+                            worker.inflight.pop(message.outcome.key, None)
                         messages.append(message)
                 except (EOFError, OSError):
                     pass
@@ -185,24 +195,20 @@ class ProcessPool:
                 messages.extend(self._replace(worker))
         return messages
 
-    def _replace(self, worker: _Handle) -> list[tuple]:
+    def _replace(self, worker: _Handle) -> list[Event]:
         self.workers.remove(worker)
         worker.conn.close()
         self.workers.append(self._spawn())
-        code = worker.process.exitcode
-        return [
-            ("result", Result(t.key, t.prompt_index, t.batch_num, error_class=WorkerCrashed.__name__,
-                              message=f"worker process died (exit code {code})"))
-            for t in worker.inflight.values()
-        ]
+        died = WorkerCrashed(f"worker process died (exit code {worker.process.exitcode})")
+        return [Finished(decide(t, error=died)) for t in worker.inflight.values()]
 
-    def cancel(self, timeout: float = 10.0) -> list[tuple]:
+    def cancel(self, timeout: float = 10.0) -> list[Event]:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
         for w in self.workers:
-            w.conn.send(("cancel",))
+            w.conn.send(Cancel())
         waiting = {w.conn: w for w in self.workers}
-        arrived: list[tuple] = []
+        arrived: list[Event] = []
         while waiting:
             ready = wait(list(waiting), timeout)
             if not ready:
@@ -211,8 +217,8 @@ class ProcessPool:
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    message = ("cancelled",)
-                if message[0] == "cancelled":
+                    message = Cancelled()
+                if isinstance(message, Cancelled):
                     waiting.pop(conn).inflight.clear()
                 else:
                     arrived.append(message)
@@ -226,7 +232,7 @@ class ProcessPool:
     def close(self) -> None:
         for w in self.workers:
             try:
-                w.conn.send(("stop",))
+                w.conn.send(Stop())
             except (BrokenPipeError, OSError):
                 pass
         for w in self.workers:

@@ -1,0 +1,52 @@
+"""The messages between the parent and a worker: small frozen dataclasses, handled with `match`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trajgen.outcome import PromptOutcome
+from trajgen.work import Task
+
+
+# parent -> worker
+@dataclass(frozen=True)
+class Submit:
+    task: Task
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel every conversation in flight; the worker answers Cancelled."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Cancel everything and exit."""
+
+
+# worker -> parent
+@dataclass(frozen=True)
+class Finished:
+    outcome: PromptOutcome
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """The endpoint answered 429: the parent halves how many conversations it admits."""
+
+
+@dataclass(frozen=True)
+class Fatal:
+    reason: str  # the endpoint refuses every prompt (401, 402, 403): the run stops
+
+
+@dataclass(frozen=True)
+class Log:
+    text: str
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    pass
+
+
+Event = Finished | Throttled | Fatal | Log | Cancelled
