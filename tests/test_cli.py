@@ -102,6 +102,43 @@ def test_usage_errors_exit_2_with_one_line(cli, scripted_server):
     assert not (cli.cwd / "data").exists()
 
 
+@pytest.mark.parametrize("argv, named, suggested", [
+    (["--max_cots=5"], "--max_cots", "--max_cost"),
+    (["--maxcost=5"], "--maxcost", "--max_cost"),
+    (["--max_total_token=100"], "--max_total_token", "--max_total_tokens"),
+    (["--concurency=64"], "--concurency", "--concurrency"),
+    (["--resum"], "--resum", "--resume"),
+    (["--requre_reasoning=False"], "--requre_reasoning", "--require_reasoning"),
+    (["prompts.jsonl"], "'prompts.jsonl'", "--dataset_file=prompts.jsonl"),
+    (["--concurrency"], "--concurrency", "an integer"),
+    (["--concurrency=many"], "--concurrency=many", "an integer"),
+    (["--max_cost=abc"], "--max_cost=abc", "a number"),
+    (["--resume=maybe"], "--resume=maybe", "true or false"),
+    (["--seed=1", "--seed=2"], "--seed", "given twice"),
+])
+def test_a_bad_argument_stops_the_run_before_it_spends_anything(cli, scripted_server, argv, named, suggested):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    base = [a for a in cli.args(server) if a.split("=")[0] not in {b.split("=")[0] for b in argv}]
+    done = cli.run(*base, *argv)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and suggested in lines[0], done.stderr
+    assert server.stats()["requests"] == 0 and not (cli.cwd / "data").exists()
+
+
+def test_both_spellings_and_every_boolean_form_are_accepted(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    first = cli.run(*cli.args(server), "--max-cost=100", "--max-total-tokens", "100000", "--noverbose",
+                    "--require_reasoning=true")
+    assert first.returncode == 0, first.stderr
+    again = cli.run(*cli.args(server), "--resume=TRUE")
+    assert again.returncode == 0, again.stderr
+    assert cli.run(*cli.args(server), "--resume", "--keep_hallucinated").returncode == 0
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 1 and server.stats()["requests"] == 1
+
+
 def test_list_distributions_prints_all(cli):
     done = cli.run("--list_distributions")
     assert done.returncode == 0, done.stderr
@@ -112,6 +149,7 @@ def test_list_distributions_prints_all(cli):
 def test_help_lists_every_flag(cli):
     done = cli.run("--help", env={"PAGER": "cat"})
     text = done.stdout + done.stderr
+    assert done.returncode == 0
     for flag in ("dataset_file", "batch_size", "concurrency", "providers_allowed", "terminal_backend", "max_samples"):
         assert f"--{flag}" in text
 
