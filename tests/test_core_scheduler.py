@@ -1,0 +1,111 @@
+"""The scheduler, the store and the merge in process, over an executor that answers at once."""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from trajgen import merge, scheduler, store
+from trajgen.errors import FatalAPIError
+from trajgen.messages import Event, Fatal, Finished
+from trajgen.outcome import decide
+from trajgen.plan import Plan
+from trajgen.work import Task
+
+
+def task(i: int, batch_size: int = 2) -> Task:
+    return Task(f"k{i}", i, i // batch_size, f"prompt {i}", None, None, {}, [], [])
+
+
+def row(t: Task, reasoning: int = 1, cost: float = 0.0) -> dict:
+    return {"prompt_index": t.prompt_index, "conversations": [], "api_calls": 1, "tool_stats": {},
+            "metadata": {"prompt_key": t.key, "turns_with_reasoning": reasoning, "assistant_turns": 1,
+                         "hallucinated_tools": [],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "reasoning_tokens": 0, "cost": cost}}}
+
+
+class AnsweringExecutor:
+    """Answers each prompt on the next poll with `answer(task)`; `hold` keeps prompts in flight."""
+
+    def __init__(self, answer: Callable[[Task], list[Event]], hold: Callable[[Task], bool] = lambda t: False):
+        self.answer, self.hold = answer, hold
+        self.pending: list[Task] = []
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+
+    @property
+    def inflight(self) -> int:
+        return len(self.pending)
+
+    def start(self) -> None: ...
+    def kill(self) -> None: ...
+    def close(self) -> None: ...
+
+    def submit(self, t: Task) -> None:
+        self.pending.append(t)
+        self.submitted.append(t.key)
+
+    def poll(self, timeout: float) -> list[Event]:
+        ready = [t for t in self.pending if not self.hold(t)]
+        self.pending = [t for t in self.pending if self.hold(t)]
+        return [event for t in ready for event in self.answer(t)]
+
+    def cancel(self) -> list[Event]:
+        self.cancelled, self.pending = [t.key for t in self.pending], []
+        return []
+
+
+def run(tmp_path, count: int, executor: AnsweringExecutor, **limits) -> scheduler.RunEnd:
+    limits = scheduler.Limits("run", batch_size=2, concurrency=limits.pop("concurrency", 4), **limits)
+    plan = Plan(remaining=count)
+    return scheduler.Scheduler(plan, executor, limits, tmp_path, {}, 0.0, 0.0).execute(
+        iter([task(i) for i in range(count)]), on_exit=lambda: None)
+
+
+def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
+    def answer(t: Task) -> list[Event]:
+        if t.prompt_index == 1:
+            return [Finished(decide(t, row=row(t, reasoning=0)))]
+        if t.prompt_index == 2:
+            try:
+                raise ValueError("bad")
+            except ValueError as e:
+                return [Finished(decide(t, error=e))]
+        return [Finished(decide(t, row=row(t)))]
+
+    end = run(tmp_path, 5, AnsweringExecutor(answer))
+    assert (end.failed, end.not_run, end.fatal, end.budget) == (1, 0, None, None)
+    assert [n for n, _ in store.batch_files(tmp_path)] == [0, 1, 2]
+    failure = json.loads((tmp_path / store.FAILURES).read_text())
+    assert failure["error_class"] == "ValueError" and 'raise ValueError("bad")' in failure["traceback"]
+    checkpoint = store.read_json(tmp_path / "checkpoint.json")
+    assert checkpoint["next_batch"] == 3 and checkpoint["batches_open"] == []
+    assert checkpoint["counts_this_invocation"] == {"ok": 3, "discarded": 1, "failed": 1}
+    stats = merge.statistics(merge.merge(tmp_path, keep_hallucinated=False), {})
+    assert (stats["kept"], stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == (
+        3, {"no_reasoning": 1}, {"ValueError": 1})
+    assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
+
+
+def test_a_failed_health_check_stops_admitting_and_cancels_what_is_in_flight(tmp_path):
+    executor = AnsweringExecutor(lambda t: [Finished(decide(t, row=row(t)))], hold=lambda t: t.prompt_index >= 2)
+    end = run(tmp_path, 8, executor, concurrency=2,
+              health_check=lambda: "the local model server died" if len(executor.submitted) >= 4 else None)
+    assert end.fatal == "the local model server died" and end.not_run == 6
+    assert executor.cancelled == ["k2", "k3"] and executor.submitted == ["k0", "k1", "k2", "k3"]
+    assert store.scan(tmp_path).done == {"k0", "k1"}
+
+
+def test_a_fatal_endpoint_error_stops_the_run(tmp_path):
+    def answer(t: Task) -> list[Event]:
+        refused = decide(t, error=FatalAPIError("authentication failed (HTTP 401)"))
+        return [Fatal(refused.message), Finished(refused)]
+
+    end = run(tmp_path, 6, AnsweringExecutor(answer), concurrency=1)
+    assert end.fatal == "authentication failed (HTTP 401)" and end.failed == 1 and end.not_run == 5
+
+
+def test_the_spend_limit_stops_admitting_but_lets_prompts_in_flight_finish(tmp_path):
+    executor = AnsweringExecutor(lambda t: [Finished(decide(t, row=row(t, cost=1.0)))])
+    end = run(tmp_path, 10, executor, concurrency=3, max_cost=2.5)
+    assert end.budget.startswith("--max_cost=2.5 reached") and end.failed == 0
+    assert len(executor.submitted) == 3 and end.not_run == 7
