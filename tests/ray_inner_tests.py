@@ -7,7 +7,6 @@ killer would: SIGKILL to its process, found by the process title Ray gives it.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import secrets
@@ -28,19 +27,19 @@ if socket.if_nameindex() != [(1, "lo")]:
 # imported: one token for all. The CLI runs below get a clean environment (the `cli` fixture).
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
-import batch_runner  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl  # noqa: E402
 from trajgen.errors import WorkerCrashed  # noqa: E402
+from trajgen.messages import Event, Fatal, Finished, Log, Throttled  # noqa: E402
 from trajgen.ray_executor import RayPool  # noqa: E402
 from trajgen.sandbox.config import SandboxConfig  # noqa: E402
 from trajgen.tools import ToolSettings  # noqa: E402
 from trajgen.work import ModelSettings, Task, WorkerConfig  # noqa: E402
 
 SLOW = [{**call("terminal", command="echo hi"), "delay": 0.4}, {**think(), "delay": 0.4}]
-needs_wiring = pytest.mark.skipif("executor" not in inspect.signature(batch_runner.main).parameters,
-                                  reason="batch_runner has no --executor flag yet (make_executor is not wired)")
+# blocks in its sandbox until the test creates `release` in the sandbox's work dir
+GATED = [call("terminal", command="until [ -e release ]; do sleep 0.05; done"), think()]
 
 
 @pytest.fixture
@@ -93,9 +92,9 @@ def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None
     return RayPool(2, config, address, worker_memory=256, crash_retries=crash_retries)
 
 
-def _drain(pool: RayPool, until=None, timeout: float = 120) -> list[tuple]:
+def _drain(pool: RayPool, until=None, timeout: float = 120) -> list[Event]:
     """Poll (which also hands queued prompts to actors that are up) until `until()`, else until nothing is in flight."""
-    messages: list[tuple] = []
+    messages: list[Event] = []
     deadline = time.monotonic() + timeout
     while not (until() if until else not pool.inflight):
         assert time.monotonic() < deadline, f"still waiting after {timeout} s"
@@ -117,35 +116,43 @@ def test_executor_relays_results_throttle_and_fatal_once_each(scripted_server, t
         messages = _drain(pool)
     finally:
         pool.close()
-    results = {m[1].key: m[1] for m in messages if m[0] == "result"}
-    assert len([m for m in messages if m[0] == "result"]) == len(results) == 12
+    results = {m.outcome.key: m.outcome for m in messages if isinstance(m, Finished)}
+    assert len([m for m in messages if isinstance(m, Finished)]) == len(results) == 12
     assert all(results[t.key].row is not None for t in tasks[:11])
-    assert results["key-11"].error_class == "FatalAPIError"
-    assert ("throttle",) in messages and any(m[0] == "fatal" and "HTTP 401" in m[1] for m in messages)
+    assert results["key-11"].reason == "FatalAPIError"
+    assert Throttled() in messages and any(isinstance(m, Fatal) and "HTTP 401" in m.reason for m in messages)
     assert not (tmp_path / "sandboxes").exists()  # closing removed every sandbox
 
 
+def _outcomes(messages: list[Event]) -> list:
+    return [m.outcome for m in messages if isinstance(m, Finished)]
+
+
 def test_executor_killed_actor_prompts_come_back_failed_and_the_actor_restarts(scripted_server, tmp_path):
-    server = scripted_server({"default": SLOW})
+    server = scripted_server({"default": GATED})
     pool = _pool(server, tmp_path, crash_retries=0)
+    sandboxes = tmp_path / "sandboxes"
     pool.start()
     try:
         for i in range(8):
             pool.submit(_task(i, f"prompt {i}"))
-        early = _drain(pool, until=lambda: len(server.requests()) >= 8)  # every prompt is in flight
+        # every prompt is inside its gated command, so none can finish before the kill
+        early = _drain(pool, until=lambda: sandboxes.exists() and len(list(sandboxes.iterdir())) >= 8)
         victim = actor_pids()[0]
         os.kill(victim, signal.SIGKILL)
-        results = [m[1] for m in early + _drain(pool) if m[0] == "result"]
-        assert sorted(r.key for r in results) == sorted(f"key-{i}" for i in range(8))
-        crashed = [r for r in results if r.error_class]
-        assert len(crashed) == 4 and {r.error_class for r in crashed} == {WorkerCrashed.__name__}
-        assert all(r.row for r in results if not r.error_class)
+        crashed = _outcomes(early + _drain(pool, until=lambda: pool.inflight <= 4))
+        for work_dir in sandboxes.iterdir():
+            (work_dir / "release").touch()
+        finished = _outcomes(_drain(pool))
+        assert sorted(r.key for r in crashed + finished) == sorted(f"key-{i}" for i in range(8))
+        assert len(crashed) == 4 and {r.reason for r in crashed} == {WorkerCrashed.__name__}
+        assert all(r.row for r in finished)
         # Ray restarted the actor, and the pool sends it prompts again
         _drain(pool, until=lambda: all(slot.up for slot in pool.slots), timeout=60)
         assert len(pool.slots) == 2 and len(actor_pids()) == 2 and victim not in actor_pids()
         for i in range(8, 16):
             pool.submit(_task(i, f"prompt {i}"))
-        again = [m[1] for m in _drain(pool) if m[0] == "result"]
+        again = _outcomes(_drain(pool))
         assert len(again) == 8 and all(r.row for r in again)
     finally:
         pool.close()
@@ -189,13 +196,13 @@ def test_executor_on_a_cluster_whose_node_dies_runs_the_lost_prompts_elsewhere(s
         pool.close()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-    results = [m[1] for m in messages if m[0] == "result"]
+    results = _outcomes(messages)
     assert sorted(r.key for r in results) == sorted(f"key-{i}" for i in range(8))
     assert all(r.row for r in results)  # the lost ones ran again, on the surviving node
-    assert any(m[0] == "log" and "died" in m[1] for m in messages) and len(server.requests()) > 2 * 8
+    assert any(isinstance(m, Log) and "died" in m.text for m in messages) and len(server.requests()) > 2 * 8
 
 
-# --------------------------------------------------------------------------- the CLI (needs the wiring)
+# --------------------------------------------------------------------------- the CLI
 
 
 def _normalized(run_dir: Path) -> dict:
@@ -210,7 +217,6 @@ def _normalized(run_dir: Path) -> dict:
     return {"files": sorted(p.name for p in run_dir.iterdir()), "rows": rows, "statistics": statistics}
 
 
-@needs_wiring
 def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
     server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
     names = [f"prompt {i}" for i in range(12)]
@@ -236,7 +242,6 @@ def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
     tmp.rmdir()
 
 
-@needs_wiring
 def test_cli_ray_actor_killed_mid_run_loses_and_repeats_nothing(cli, scripted_server):
     server = scripted_server({"default": SLOW})
     names = [f"prompt {i}" for i in range(30)]
@@ -258,7 +263,6 @@ def test_cli_ray_actor_killed_mid_run_loses_and_repeats_nothing(cli, scripted_se
     assert statistics["ok"] == 30 and statistics["failed"]["total"] == 0
 
 
-@needs_wiring
 def test_cli_ray_sigterm_mid_run_then_resume(cli, scripted_server):
     server = scripted_server({"default": SLOW})
     names = [f"prompt {i}" for i in range(30)]
