@@ -2,7 +2,7 @@
 """Benchmark of `python batch_runner.py`: throughput against the latency limit, overhead, scale.
 
 Everything is driven from the outside, as a user would: the real CLI as a subprocess against the
-loopback scripted server (`python -m tests.scripted_server`) as a separate process, on 127.0.0.1.
+loopback scripted server (`python -m trajgen.scripted_server`) as a separate process, on 127.0.0.1.
 
     python bench/run.py                                  # throughput, overhead, scale; full sizes (~35 min)
     python bench/run.py --quick                          # small N, one repeat: a smoke run
@@ -136,7 +136,7 @@ def _on_sigterm(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl
 
 
 class Server:
-    """`python -m tests.scripted_server` as a separate process; its CPU time is read from /proc."""
+    """`python -m trajgen.scripted_server` as a separate process; its CPU time is read from /proc."""
 
     def __init__(self, script: dict, latency: float, name: str):
         OUT.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ class Server:
     def start(self) -> None:
         latency = self.latency
         self.proc = CHILDREN.start(
-            [sys.executable, "-m", "tests.scripted_server", "--script", str(self.script_path), "--latency", str(latency)],
+            [sys.executable, "-m", "trajgen.scripted_server", "--script", str(self.script_path), "--latency", str(latency)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=_env(),
         )
         line = _readline_with_timeout(self.proc, 30)
@@ -1304,7 +1304,7 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
         "The CLI runs as `python batch_runner.py --dataset_file=... --run_name=... --output_dir=bench/out/runs "
         "--base_url=<scripted server> --api_key=dummy --model=bench --require_reasoning=False "
         "--distribution=terminal_only --num_workers=W --concurrency=C` against "
-        "`python -m tests.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
+        "`python -m trajgen.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
         "",
         "| section | configuration | measured (median) | target | pass/fail | details |",
         "|---|---|---|---|---|---|",
