@@ -1,0 +1,403 @@
+"""The report: the results table, the findings, and bench/RESULTS.md."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from rich.table import Table
+
+import harness
+from harness import (
+    MACHINE,
+    NOTES_END,
+    NOTES_START,
+    console,
+    median,
+    spread,
+)
+from sections import (
+    LATENCY,
+)
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class Row:
+    section: str
+    config: str
+    value: str
+    target: str
+    verdict: str  # PASS / FAIL / info
+    note: str = ""
+
+
+def _fmt(v, digits=2, unit=""):
+    return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def _verdict(ok) -> str:
+    return "info" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _throughput_rows(res: dict, section: str, targets: dict) -> list[Row]:
+    rows = []
+    n = res["n"]
+    base = res["configs"].get("4x4")
+    base_dur = median([r["duration_s"] for r in base]) if base else None
+    for key, runs in res["configs"].items():
+        workers, conc = runs[0]["workers"], runs[0]["concurrency"]
+        tools = runs[0].get("tools", True)
+        eff = median([r["efficiency"] for r in runs])
+        dur = median([r["duration_s"] for r in runs])
+        wall = median([r["wall_s"] for r in runs])
+        ideal = runs[0]["ideal_s"]
+        target = targets.get(key)
+        note = (f"ideal {ideal:.1f} s; duration {_fmt(dur, 1)} s (subprocess wall {_fmt(wall, 1)} s); "
+                f"runs {len(runs)}")
+        if len(runs) > 1:
+            note += f" (efficiency {spread([r['efficiency'] for r in runs])})"
+        p50 = median([r.get("prompt_wall_p50") for r in runs])
+        p95 = median([r.get("prompt_wall_p95") for r in runs])
+        if p50 is not None:
+            note += f"; per-prompt wall p50 {p50:.2f} s, p95 {p95:.2f} s (floor {runs[0].get('calls', 2) * LATENCY:.2f})"
+        cpu = median([r["cpu_s"] for r in runs])
+        scpu = median([r["server_cpu_s"] for r in runs])
+        if cpu is not None and dur:
+            note += (f"; CPU (getrusage) runner {cpu:.1f} s = {1000 * cpu / n:.1f} ms/prompt, server {scpu:.1f} s: "
+                     f"{(cpu + scpu) / dur:.2f} of the 2 cores")
+        mb = median([r.get("machine_busy") for r in runs])
+        if mb is not None:
+            kt = median([r.get("kthreads_cpu_s") for r in runs])
+            fo = median([r.get("foreign_cpu_s") for r in runs])
+            note += (f"; whole machine {100 * mb:.0f}% busy (CPU outside the CLI and the server {_fmt(fo, 1)} s"
+                     + (f", kernel threads {kt:.1f} s" if kt is not None else "") + ")")
+        if base_dur and dur and key != "4x4":
+            note += f"; {base_dur / dur:.1f}x faster than 4x4"
+        what = f"N={n:,} --num_workers={workers} --concurrency={conc}" + ("" if tools else ", no tool call (1 API call)")
+        rows.append(Row(section, what, f"efficiency {_fmt(eff)}",
+                        f">= {target}" if target else ("(reference defaults)" if key == "4x4" else ""),
+                        _verdict(eff >= target if (target and eff is not None) else None), note))
+    return rows
+
+
+def rows_throughput(res: dict) -> list[Row]:
+    return _throughput_rows(res, "throughput", {"2x64": 0.85, "2x256": 0.70})
+
+
+def rows_diag(res: dict) -> list[Row]:
+    return _throughput_rows(res, "diagnosis", {})
+
+
+def rows_pool(res: dict) -> list[Row]:
+    rows = []
+    for key, runs in res["runs"].items():
+        kind, conns = key.split("@")
+        ms = median([r["cpu_ms_per_request"] for r in runs])
+        wall = median([r["wall_s"] for r in runs])
+        client = "openai.DefaultAioHttpClient (aiohttp)" if kind == "aiohttp" else f"{kind}.AsyncClient"
+        rows.append(Row("http client", f"one process, openai.AsyncOpenAI + {client}, {conns} requests in flight",
+                        f"{_fmt(ms)} ms CPU/request", "", "info",
+                        f"{runs[0]['total']} requests at latency {LATENCY} s: wall {_fmt(wall, 1)} s for an ideal of "
+                        f"{runs[0]['ideal_s']:.0f} s; runs {len(runs)}"
+                        + {"httpx": " (trajgen/llm.py's client before d607319)",
+                           "httpx2": " (the openai SDK's default client)",
+                           "aiohttp": " (trajgen/llm.py's client since d607319)"}.get(kind, "")))
+    return rows
+
+
+def rows_overhead(res: dict) -> list[Row]:
+    rows = []
+    n = res["n"]
+    cfg = f"N={n:,} latency 0, --num_workers={res['workers']} --concurrency={res['concurrency']}"
+    per = {}
+    for label in ("no_tools", "terminal"):
+        if label not in res:
+            continue
+        runs = res[label]["runs"]
+        ms = median([1000 * r["cpu_s"] / n for r in runs])
+        dur = median([r["duration_s"] for r in runs])
+        wall = median([r["wall_s"] for r in runs])
+        srv = median([1000 * r["server_cpu_s"] / n for r in runs])
+        fixed = res[label]["fixed_n1"]
+        fixed_cpu = median([r["cpu_s"] for r in fixed])
+        fixed_dur = median([r["duration_s"] for r in fixed])
+        per[label] = (ms, dur, fixed_cpu)
+        net = (median([r["cpu_s"] for r in runs]) - fixed_cpu) * 1000 / n if fixed_cpu is not None else None
+        kt = median([r.get("kthreads_cpu_s") for r in runs])
+        fo = median([r.get("foreign_cpu_s") for r in runs])
+        note = (f"runs {len(runs)} (range {spread([1000 * r['cpu_s'] / n for r in runs])} ms); "
+                f"machine CPU outside the CLI and the server {_fmt(1000 * fo / n if fo is not None else None, 1)} ms/prompt"
+                + (f" (kernel threads {1000 * kt / n:.1f})" if kt is not None else "") + "; "
+                f"fixed cost of one invocation (N=1): {_fmt(fixed_cpu, 2)} CPU-s, {_fmt(fixed_dur, 2)} s wall; "
+                f"per prompt without it {_fmt(net, 2)} ms; server {_fmt(srv, 2)} ms/prompt (not included)")
+        if label == "no_tools":
+            rows.append(Row("overhead", f"{cfg}, no tools", f"{_fmt(ms)} ms CPU/prompt", "< 5 ms",
+                            _verdict(ms < 5 if ms is not None else None), note))
+            rows.append(Row("overhead", f"{cfg}, no tools", f"{_fmt(dur)} s wall ({_fmt(n / dur if dur else None, 0)} prompts/s)",
+                            "", "info", f"subprocess wall {_fmt(wall)} s"))
+        else:
+            rows.append(Row("overhead", f"{cfg}, 1 terminal call (bwrap)", f"{_fmt(ms)} ms CPU/prompt", "", "info", note))
+            rows.append(Row("overhead", f"{cfg}, 1 terminal call (bwrap)",
+                            f"{_fmt(dur)} s wall ({_fmt(n / dur if dur else None, 0)} prompts/s)", "", "info",
+                            f"subprocess wall {_fmt(wall)} s"))
+    if "no_tools" in per and "terminal" in per and per["no_tools"][0] is not None:
+        d_ms = per["terminal"][0] - per["no_tools"][0]
+        d_s = (per["terminal"][1] or 0) - (per["no_tools"][1] or 0)
+        rows.append(Row("overhead", "sandbox share (terminal - no tools)",
+                        f"{_fmt(d_ms)} ms CPU/prompt ({100 * d_ms / per['terminal'][0]:.0f}% of CPU)", "", "info",
+                        f"+{_fmt(d_s)} s wall for {n:,} prompts; the second API call adds part of this too"))
+    return rows
+
+
+def rows_scale(res: dict) -> list[Row]:
+    rows = []
+    sizes = res["sizes"]
+    cfg = f"latency 0, no tools, --num_workers={res['workers']} --concurrency={res['concurrency']}"
+    firsts = {}
+    for n_str, entry in sizes.items():
+        n = int(n_str)
+        r = entry["run"]
+        firsts[n] = r
+        for role, key in (("parent", "parent_rss_mb"), ("one worker (max)", "worker_rss_mb")):
+            v = r[key]
+            rows.append(Row("scale", f"N={n:,} {cfg}: peak RSS {role}", f"{_fmt(v, 0)} MB", "< 300 MB",
+                            _verdict(v < 300 if v is not None else None),
+                            f"VmHWM polled every 0.2 s; run {_fmt(r['duration_s'], 1)} s, exit {r['returncode']}, "
+                            f"ok {r['ok']:,}" if r["ok"] is not None else "no statistics"))
+        rs = entry["resume"]
+        rwall = median([x["wall_s"] for x in rs])
+        rdur = median([x["duration_s"] for x in rs])
+        target = "< 5 s" if n >= 100_000 else ""
+        rows.append(Row("scale", f"N={n:,}: --resume of the finished run", f"{_fmt(rwall)} s wall",
+                        target, _verdict(rwall < 5 if (target and rwall is not None) else None),
+                        f"CLI duration_seconds {_fmt(rdur)} s; parent peak {_fmt(median([x['parent_rss_mb'] for x in rs]), 0)} MB; "
+                        f"runs {len(rs)}; it scans, plans nothing, spawns 1 worker, merges"))
+        d = entry["direct"]
+        rows.append(Row("scale", f"N={n:,}: merge (trajgen.merge.merge, called directly)",
+                        f"{_fmt(median([x['merge_s'] for x in d]))} s", "", "info",
+                        f"the CLI does not time its merge separately; resume scan (store.scan) "
+                        f"{_fmt(median([x['scan_s'] for x in d]))} s; run dir {entry['disk_mb']} MB"))
+    if len(firsts) >= 2:
+        lo, hi = min(firsts), max(firsts)
+        for role, key in (("parent", "parent_rss_mb"), ("worker", "worker_rss_mb")):
+            a, b = firsts[lo][key], firsts[hi][key]
+            if a and b:
+                rows.append(Row("scale", f"peak RSS growth {role}, N={lo:,} -> {hi:,}", f"x{b / a:.2f} (+{b - a:.0f} MB)",
+                                "flat (<= x1.2)", _verdict(b / a <= 1.2), ""))
+    return rows
+
+
+def rows_sandbox(res: dict) -> list[Row]:
+    rows = []
+    labels = {"plain": "prlimit + bash, no bubblewrap", "bwrap": "prlimit + bwrap (the runner's argv)",
+              "bwrap-with-network": "the same without --unshare-net"}
+    for key, runs in res["runs"].items():
+        variant, conc = key.split("@")
+        per_s = median([r["per_s"] for r in runs])
+        rows.append(Row("sandbox", f"{labels.get(variant, variant)}, {conc} command(s) in flight, `echo hi`",
+                        f"{_fmt(per_s, 0)} commands/s", "", "info",
+                        f"latency p50 {_fmt(1000 * median([r['p50_s'] for r in runs]), 0)} ms, p95 "
+                        f"{_fmt(1000 * median([r['p95_s'] for r in runs]), 0)} ms; CPU "
+                        f"{_fmt(median([r['cpu_ms'] for r in runs]), 1)} ms/command in our processes, "
+                        f"{_fmt(median([r['machine_cpu_ms'] for r in runs]), 1)} ms machine-wide, of which kernel threads "
+                        f"{_fmt(median([r.get('kthreads_ms') for r in runs]), 1)} ms; runs {len(runs)}"))
+    return rows
+
+
+KEY_FRAMES = (  # inclusive shares worth a line in the report
+    "httpcore/_async/connection_pool.py:AsyncConnectionPool._assign_requests_to_connections",
+    "subprocess.py:Popen._execute_child",
+    "shutil.py:rmtree",
+    "aiohttp/client.py:ClientSession._request",
+    "trajgen/store.py:Writer._sync_loop",
+    "httpcore/_async/http11.py:AsyncHTTP11Connection.has_expired",
+    "anyio/abc/_sockets.py:_SocketProvider.extra_attributes",
+    "httpx/_client.py:AsyncClient.send",
+    "openai/_base_client.py:AsyncAPIClient.request",
+    "openai/_utils/_transform.py:async_transform",
+    "trajgen/sandbox/local.py:run_process",
+    "trajgen/sandbox/config.py:open_sandbox",
+    "trajgen/sandbox/local.py:LocalSandbox.close",
+    "trajgen/store.py:atomic_write",
+    "trajgen/store.py:Writer.end_batch",
+    "batch_runner.py:_execute.<locals>.checkpoint",
+    "trajgen/workers.py:ProcessPool.poll",
+    "rich/live.py:Live.refresh",
+)
+
+
+def key_frames(summary_role: dict) -> list[tuple[str, float]]:
+    incl = dict(summary_role["top_inclusive"])
+    return [(k, incl[k]) for k in KEY_FRAMES if k in incl]
+
+
+def rows_profile(res: dict) -> list[Row]:
+    rows = []
+    s = res.get("summary", {})
+    for role in ("worker", "parent"):
+        if role not in s:
+            continue
+        r = s[role]
+        pk = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["self_by_package"][:5])
+        frames = "; ".join(f"{k.split(':', 1)[1]} {100 * v:.0f}%" for k, v in key_frames(r)[:6])
+        rows.append(Row("profile", f"{res['workers']}x{res['concurrency']} N={res['n']:,} under py-spy: {role} "
+                                   f"({r['processes']} process{'es' if r['processes'] > 1 else ''})",
+                        f"main thread busy {_fmt(100 * r['main_thread_busy'] if r['main_thread_busy'] is not None else None, 0)}%",
+                        "", "info", f"self time: {pk}. Inclusive: {frames}. Files: {res['raw']['file']}, "
+                                    f"{res['flamegraph']['file']}"))
+    return rows
+
+
+ROW_BUILDERS = {"throughput": rows_throughput, "overhead": rows_overhead, "scale": rows_scale, "diag": rows_diag,
+                "pool": rows_pool, "sandbox": rows_sandbox, "profile": rows_profile}
+
+
+def section_order(results: dict) -> list[str]:
+    """Keys of results.json in report order: `name` or `name:tag` (a run of another tree)."""
+    order = list(ROW_BUILDERS)
+    return sorted(results, key=lambda k: (order.index(k.split(":")[0]) if k.split(":")[0] in order else 99, k))
+
+
+def build_rows(results: dict) -> list[Row]:
+    rows: list[Row] = []
+    for key in section_order(results):
+        name, _, tag = key.partition(":")
+        if name not in ROW_BUILDERS:
+            continue
+        for row in ROW_BUILDERS[name](results[key]["data"]):
+            if tag:
+                row.section = f"{row.section} [{tag}]"
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    table = Table(title=f"batch_runner benchmark ({MACHINE})", show_lines=True)
+    for col in ("section", "configuration", "measured (median)", "target", "pass/fail", "details"):
+        table.add_column(col, overflow="fold")
+    colors = {"PASS": "green", "FAIL": "red", "info": "dim"}
+    for r in rows:
+        table.add_row(r.section, r.config, r.value, r.target, f"[{colors[r.verdict]}]{r.verdict}[/]", r.note)
+    console.print(table)
+
+
+def findings(results: dict) -> list[str]:
+    """Data-driven sentences; the hand-written analysis lives between the notes markers."""
+    out = []
+    for section in ("throughput", "diag"):
+        tp = results.get(section, {}).get("data")
+        for key, runs in (tp or {}).get("configs", {}).items():
+            eff = median([r["efficiency"] for r in runs])
+            dur = median([r["duration_s"] for r in runs])
+            cpu = median([r["cpu_s"] + r["server_cpu_s"] for r in runs])
+            mb = median([r.get("machine_busy") for r in runs])
+            if dur and cpu:
+                out.append(f"{section.capitalize()} {key} (workers x concurrency{'' if runs[0].get('tools', True) else ', no tool'}): "
+                           f"efficiency {_fmt(eff)}, {_fmt(dur, 1)} s for an ideal of {runs[0]['ideal_s']:.1f} s; "
+                           f"the CLI and the server used {cpu / dur:.2f} of the 2 cores by getrusage"
+                           + (f", the whole machine was {100 * mb:.0f}% busy." if mb is not None else "."))
+    ov = results.get("overhead", {}).get("data")
+    if ov and "no_tools" in ov:
+        n = ov["n"]
+
+        def per_prompt(label):
+            runs = ov[label]["runs"]
+            ours = median([1000 * r["cpu_s"] / n for r in runs])
+            machine = median([1000 * (r["cpu_s"] + r["server_cpu_s"] + (r.get("foreign_cpu_s") or 0)) / n for r in runs])
+            rate = median([n / r["duration_s"] for r in runs if r["duration_s"]])
+            return ours, machine, rate
+
+        ms, mm, rate = per_prompt("no_tools")
+        out.append(f"Overhead without tools (latency 0): {_fmt(ms)} ms of CPU per prompt in the CLI and its children "
+                   f"(getrusage), {_fmt(mm)} ms for the whole machine; {_fmt(rate, 0)} prompts/s.")
+        if "terminal" in ov:
+            ms2, mm2, rate2 = per_prompt("terminal")
+            out.append(f"With one terminal call in bubblewrap: {_fmt(ms2)} ms per prompt by getrusage but {_fmt(mm2)} ms "
+                       f"for the whole machine (kernel work of the sandbox is charged to no process of ours); at "
+                       f"latency 0 the box does {_fmt(rate2, 0)} such prompts/s, which caps any run of this workload here: "
+                       f"--concurrency=64 at 0.5 s per prompt asks for 128/s, --concurrency=256 for 512/s.")
+    sc = results.get("scale", {}).get("data")
+    if sc:
+        for n_str, e in sc["sizes"].items():
+            r = e["run"]
+            out.append(f"Scale N={int(n_str):,}: parent peak {_fmt(r['parent_rss_mb'], 0)} MB, worker peak "
+                       f"{_fmt(r['worker_rss_mb'], 0)} MB, run {_fmt(r['duration_s'], 1)} s; resume "
+                       f"{_fmt(median([x['wall_s'] for x in e['resume']]))} s; merge "
+                       f"{_fmt(median([x['merge_s'] for x in e['direct']]))} s.")
+    pool = results.get("pool", {}).get("data")
+    if pool:
+        ms = {k: median([r["cpu_ms_per_request"] for r in v]) for k, v in pool["runs"].items()}
+        if ms.get("httpx@128"):
+            out.append(f"HTTP client alone, one process, CPU per request at 128 / 32 requests in flight: "
+                       f"httpx (trajgen/llm.py before d607319) {_fmt(ms.get('httpx@128'))} / {_fmt(ms.get('httpx@32'))} ms, "
+                       f"httpx2 (the SDK's default) {_fmt(ms.get('httpx2@128'))} / {_fmt(ms.get('httpx2@32'))} ms, "
+                       f"aiohttp (trajgen/llm.py since d607319) {_fmt(ms.get('aiohttp@128'))} / {_fmt(ms.get('aiohttp@32'))} ms.")
+    prof = results.get("profile", {}).get("data", {}).get("summary", {})
+    if "worker" in prof:
+        w = prof["worker"]
+        frames = ", ".join(f"`{k}` {100 * v:.0f}%" for k, v in key_frames(w)[:4])
+        out.append(f"Profile (py-spy): the workers' event loops were busy {100 * (w['main_thread_busy'] or 0):.0f}% of "
+                   f"the time; of their busy samples: {frames}.")
+    return out
+
+
+def write_markdown(results: dict, rows: list[Row]) -> None:
+    old_notes = ""
+    if harness.RESULTS_MD.exists():
+        text = harness.RESULTS_MD.read_text()
+        if NOTES_START in text and NOTES_END in text:
+            old_notes = text.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+    date = subprocess.run(["date", "-u", "+%F"], capture_output=True, text=True).stdout.strip()
+    lines = [
+        "# batch_runner benchmark results",
+        "",
+        f"Machine: {MACHINE} (noisy; medians of repeated runs). Date: {date}. Python {sys.version.split()[0]}.",
+        "",
+        "Commands (per section, the latest run of each):",
+        "",
+    ]
+    for key in section_order(results):
+        r = results[key]
+        lines.append(f"- {key} ({r['date']}, repeats {r['repeats']}, runner at {r.get('git_head', '?')}, "
+                     f"sources {', '.join(r.get('code', [])) or '?'}): `{r['command']}`")
+    lines += [
+        "",
+        "The CLI runs as `python batch_runner.py --dataset_file=... --run_name=... --output_dir=bench/out/runs "
+        "--base_url=<scripted server> --api_key=dummy --model=bench --require_reasoning=False "
+        "--distribution=terminal_only --num_workers=W --concurrency=C` against "
+        "`python -m trajgen.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
+        "",
+        "| section | configuration | measured (median) | target | pass/fail | details |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r.section, r.config, r.value, r.target, f"**{r.verdict}**" if r.verdict != "info" else "info", r.note]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", "## Findings", ""]
+    lines += [f"- {s}" for s in findings(results)]
+    for key in section_order(results):
+        if key.split(":")[0] != "profile" or not results[key]["data"].get("summary"):
+            continue
+        d = results[key]["data"]
+        prof = d["summary"]
+        tag = key.partition(":")[2]
+        lines += ["", f"## Profile{f' [{tag}]' if tag else ''} — runner at {results[key].get('git_head', '?')}, {d['workers']}x{d['concurrency']}, "
+                      f"N={d['n']:,} (py-spy record --subprocesses --threads --idle; shares of busy samples)", "",
+                  "Busy = samples whose leaf frame is not a thread blocked in a system call (epoll wait, idle "
+                  "thread-pool threads, waitpid, the pipe reader). Files: "
+                  f"`{d['raw']['file']}` (collapsed stacks), `{d['flamegraph']['file']}`.", ""]
+        for role in ("worker", "parent"):
+            if role not in prof:
+                continue
+            r = prof[role]
+            lines.append(f"**{role}** ({r['processes']} process(es), {r['samples']} samples, {r['busy_samples']} busy; "
+                         f"main thread busy {100 * (r['main_thread_busy'] or 0):.0f}%)")
+            lines.append("")
+            lines.append("- self time by package: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["self_by_package"][:8]))
+            lines.append("- key frames (inclusive): " + "; ".join(f"`{k}` {100 * v:.0f}%" for k, v in key_frames(r)))
+            lines.append("- top self frames: " + "; ".join(f"`{k}` {100 * v:.1f}%" for k, v in r["top_self"][:10]))
+            lines.append("")
+    lines += ["", "## Analysis", "", NOTES_START, old_notes or "(no notes yet)", NOTES_END, ""]
+    harness.RESULTS_MD.write_text("\n".join(lines))
