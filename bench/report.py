@@ -132,16 +132,11 @@ def rows_overhead(res: dict) -> list[Row]:
                 + (f" (kernel threads {1000 * kt / n:.1f})" if kt is not None else "") + "; "
                 f"fixed cost of one invocation (N=1): {_fmt(fixed_cpu, 2)} CPU-s, {_fmt(fixed_dur, 2)} s wall; "
                 f"per prompt without it {_fmt(net, 2)} ms; server {_fmt(srv, 2)} ms/prompt (not included)")
-        if label == "no_tools":
-            rows.append(Row("overhead", f"{cfg}, no tools", f"{_fmt(ms)} ms CPU/prompt", "< 5 ms",
-                            _verdict(ms < 5 if ms is not None else None), note))
-            rows.append(Row("overhead", f"{cfg}, no tools", f"{_fmt(dur)} s wall ({_fmt(n / dur if dur else None, 0)} prompts/s)",
-                            "", "info", f"subprocess wall {_fmt(wall)} s"))
-        else:
-            rows.append(Row("overhead", f"{cfg}, 1 terminal call (bwrap)", f"{_fmt(ms)} ms CPU/prompt", "", "info", note))
-            rows.append(Row("overhead", f"{cfg}, 1 terminal call (bwrap)",
-                            f"{_fmt(dur)} s wall ({_fmt(n / dur if dur else None, 0)} prompts/s)", "", "info",
-                            f"subprocess wall {_fmt(wall)} s"))
+        kind = "no tools" if label == "no_tools" else "1 terminal call (bwrap)"
+        target, verdict = ("< 5 ms", _verdict(ms < 5 if ms is not None else None)) if label == "no_tools" else ("", "info")
+        rows.append(Row("overhead", f"{cfg}, {kind}", f"{_fmt(ms)} ms CPU/prompt", target, verdict, note))
+        rows.append(Row("overhead", f"{cfg}, {kind}", f"{_fmt(dur)} s wall ({_fmt(n / dur if dur else None, 0)} prompts/s)",
+                        "", "info", f"subprocess wall {_fmt(wall)} s"))
     if "no_tools" in per and "terminal" in per and per["no_tools"][0] is not None:
         d_ms = per["terminal"][0] - per["no_tools"][0]
         d_s = (per["terminal"][1] or 0) - (per["no_tools"][1] or 0)

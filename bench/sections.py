@@ -137,15 +137,7 @@ def section_pool(args) -> dict:
                     total = 40 * conns  # 40 waves: ideal 10 s
                     background = wait_for_quiet()
                     say(f"pool {kind} connections={conns} requests={total}")
-                    proc = CHILDREN.start([sys.executable, "-c", POOL_MICRO, kind, server.url, str(conns), str(total)],
-                                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
-                    try:
-                        o, e = proc.communicate(timeout=600)
-                    finally:
-                        CHILDREN.stop(proc)
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"pool micro-benchmark failed: {e.decode()[-2000:]}")
-                    r = json.loads(o)
+                    r = _micro(POOL_MICRO, [kind, server.url, str(conns), str(total)], ROOT, 600, "pool micro-benchmark")
                     r.update(total=total, ideal_s=40 * LATENCY, cpu_ms_per_request=1000 * r["cpu_s"] / total,
                              background_busy=background)
                     say(f"  cpu {r['cpu_ms_per_request']:.2f} ms/request, wall {r['wall_s']:.1f} s (ideal 10 s)")
@@ -229,15 +221,7 @@ def section_sandbox(args) -> dict:
             for conc, total in ((1, 100), (32, 800)):
                 background = wait_for_quiet()
                 say(f"sandbox {variant} concurrency={conc} commands={total}")
-                proc = CHILDREN.start([sys.executable, "-c", SANDBOX_MICRO, variant, str(conc), str(total)],
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
-                try:
-                    o, e = proc.communicate(timeout=900)
-                finally:
-                    CHILDREN.stop(proc)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"sandbox micro-benchmark failed: {(o + e).decode()[-2000:]}")
-                r = json.loads(o)
+                r = _micro(SANDBOX_MICRO, [variant, str(conc), str(total)], ROOT, 900, "sandbox micro-benchmark")
                 r.update(total=total, background_busy=background, per_s=total / r["wall_s"],
                          cpu_ms=1000 * r["cpu_s"] / total, machine_cpu_ms=1000 * r["machine_cpu_s"] / total,
                          kthreads_ms=1000 * r.get("kthreads_cpu_s", float("nan")) / total)
@@ -325,12 +309,19 @@ print(json.dumps({"scan_s": t1 - t0, "merge_s": t2 - t1, "rows": m.kept.rows, "d
 
 
 def _time_merge(run_dir: Path) -> dict:
-    proc = CHILDREN.start([sys.executable, "-c", MERGE_TIMER, str(run_dir)], cwd=harness.CLI_ROOT, stdout=subprocess.PIPE,
+    return _micro(MERGE_TIMER, [str(run_dir)], harness.CLI_ROOT, 1800, "merge timer")
+
+
+def _micro(code: str, argv: list[str], cwd: Path, timeout: float, what: str) -> dict:
+    """Run `python -c code argv...` in `cwd`; its stdout is one JSON object."""
+    proc = CHILDREN.start([sys.executable, "-c", code, *argv], cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, env=_env())
-    out, err = proc.communicate(timeout=1800)
-    CHILDREN.procs.remove(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        CHILDREN.stop(proc)
     if proc.returncode != 0:
-        raise RuntimeError(f"merge timer failed: {err.decode()[-2000:]}")
+        raise RuntimeError(f"{what} failed: {(out + err).decode()[-2000:]}")
     return json.loads(out)
 
 
