@@ -100,7 +100,7 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
             turns.append(trajectory.gpt_turn(reasoning, content, calls))
         else:
             name, result = next(pending)["name"], next(results)
-            entry = stats.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            entry = stats.setdefault(name, trajectory.tool_stat())
             entry["count"] += 1
             entry["success" if result.get("success") else "failure"] += 1
             if name not in conv.offered and name not in hallucinated:

@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 
 from trajgen import store
+from trajgen.trajectory import tool_stat
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Tally:
     def add(self, row: dict) -> None:
         self.rows += 1
         for name, s in (row.get("tool_stats") or {}).items():
-            entry = self.tools.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            entry = self.tools.setdefault(name, tool_stat())
             for k in entry:
                 entry[k] += s.get(k, 0)
         meta = row.get("metadata") or {}

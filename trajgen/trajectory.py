@@ -79,5 +79,10 @@ def tool_turn(call_id: str, name: str, result: dict) -> dict:
     return {"from": "tool", "value": f"<tool_response>\n{body}\n</tool_response>", "tool_call_id": call_id}
 
 
+def tool_stat() -> dict[str, int]:
+    """One tool's counts in a row's `tool_stats`: calls, and how many succeeded or failed."""
+    return {"count": 0, "success": 0, "failure": 0}
+
+
 def empty_tool_stats(tool_names: tuple[str, ...]) -> dict[str, dict[str, int]]:
-    return {name: {"count": 0, "success": 0, "failure": 0} for name in tool_names}
+    return {name: tool_stat() for name in tool_names}

@@ -11,7 +11,7 @@ from trajgen.sandbox.config import SandboxConfig
 from trajgen.tools import ToolSettings
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSettings:
     model: str
     base_url: str
@@ -30,7 +30,7 @@ class ModelSettings:
     prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelSettings
     sandbox: SandboxConfig
@@ -41,7 +41,7 @@ class WorkerConfig:
     verbose: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Task:
     key: str
     prompt_index: int
