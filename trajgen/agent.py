@@ -11,8 +11,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-import model_tools
-from trajgen import trajectory
+from trajgen import registry, trajectory
 from trajgen.model import ModelClient, Reply
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.work import ModelSettings, Task
@@ -70,7 +69,7 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
             conv.completed = not final_call
             break
         for call in calls:
-            result = await model_tools.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
+            result = await registry.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
             conv.results.append(result)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(result)})
     conv.wall_seconds = round(time.monotonic() - started, 3)
@@ -83,7 +82,7 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
     part or the prefill), per-tool counts, and the metadata the statistics read."""
     turns = [{"from": "system", "value": settings.system_prompt}] if settings.system_prompt else []
     turns.append({"from": "human", "value": task.prompt})
-    stats = trajectory.empty_tool_stats(model_tools.ALL_TOOL_NAMES)
+    stats = trajectory.empty_tool_stats(registry.ALL_TOOL_NAMES)
     hallucinated: list[str] = []
     replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
     reasoning_turns = 0

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from toolset_distributions import DISTRIBUTIONS, TOOLSETS
+from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)

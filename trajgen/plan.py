@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from toolset_distributions import Distribution, sample_toolsets
+from trajgen.distributions import Distribution, sample_toolsets
 from trajgen import dataset
 from trajgen.work import Task
 

@@ -10,7 +10,7 @@ import inspect
 
 import orjson
 
-from toolset_distributions import TOOLSETS
+from trajgen.distributions import TOOLSETS
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.browser import TOOLS as BROWSER_TOOLS

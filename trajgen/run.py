@@ -13,9 +13,8 @@ from typing import Callable, Iterator
 
 import orjson
 
-import model_tools
-from toolset_distributions import get_distribution
-from trajgen import console, dataset, dry_run, export, local_model, merge, scheduler, store
+from trajgen.distributions import get_distribution
+from trajgen import console, dataset, dry_run, export, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, check
@@ -112,8 +111,8 @@ def prepare(opts: RunOptions) -> Prepared:
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     tools = opts.tool_settings(api_key, str(run_dir.resolve() / "files"))
-    unavailable_tools = model_tools.unavailable_tools(tools)
-    unavailable_sets = model_tools.unavailable_toolsets(unavailable_tools)
+    unavailable_tools = registry.unavailable_tools(tools)
+    unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
                         unavailable_tools, unavailable_sets, Plan())
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
@@ -247,8 +246,8 @@ def _say_what_is_missing(prepared: Prepared) -> None:
     missing = [f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s)"
                for toolset, reason in unavailable_sets.items() if plan.sampled[toolset]]
     missing += [f"tool {name} is unavailable ({reason})" for name, reason in prepared.unavailable_tools.items()
-                if plan.sampled[model_tools.REGISTRY[name].toolset]
-                and model_tools.REGISTRY[name].toolset not in unavailable_sets]
+                if plan.sampled[registry.REGISTRY[name].toolset]
+                and registry.REGISTRY[name].toolset not in unavailable_sets]
     if missing and opts.require_toolsets:
         raise UsageError("--require_toolsets: " + "; ".join(missing))
     for line in missing:

@@ -12,13 +12,11 @@ import math
 import multiprocessing as mp
 import signal
 import threading
-import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
-import model_tools
-from trajgen import agent, llm
+from trajgen import agent, llm, registry
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
 from trajgen.model import OpenAIModel
@@ -67,7 +65,7 @@ class _Worker:
         """Schemas are built once per toolset combination, not per prompt."""
         combo = tuple(toolsets)
         if combo not in self.schemas:
-            tools = model_tools.offered_tools(toolsets, self.config.unavailable_tools)
+            tools = registry.offered_tools(toolsets, self.config.unavailable_tools)
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
 
