@@ -13,6 +13,7 @@ import typing
 import uuid
 from dataclasses import dataclass, field
 
+from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.sandbox.config import SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
@@ -172,7 +173,7 @@ def as_list(value) -> list[str]:
 
 
 def check(opts: RunOptions) -> None:
-    """Everything about the flags that can be checked before a file is read or a request sent."""
+    """Every check of the flags on their own, before a file is read or a request sent."""
     if not opts.dataset_file:
         raise UsageError("--dataset_file is required")
     if opts.run_name is None or opts.run_name.strip() in ("", ".", ".."):
@@ -189,6 +190,15 @@ def check(opts: RunOptions) -> None:
         raise UsageError("--provider_sort must be price, throughput or latency")
     if opts.reasoning_effort not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
+    try:
+        get_distribution(opts.distribution)
+    except KeyError as e:
+        raise UsageError(e.args[0])
+    if opts.executor != "processes":  # Ray is imported only when asked for: it costs every worker 0.3 s and 35 MB
+        from trajgen.ray_executor import check_executor
+        check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
+    if not os.path.isfile(opts.dataset_file):
+        raise UsageError(f"--dataset_file {opts.dataset_file}: no such file")
 
 
 def signature() -> inspect.Signature:

@@ -13,11 +13,11 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen.distributions import get_distribution
 from trajgen import console, dataset, dry_run, export, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
+from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
-from trajgen.options import DEFAULT_BASE_URL, RunOptions, check
+from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup
 from trajgen.tools import ToolSettings
@@ -100,7 +100,7 @@ def run_export(opts: RunOptions) -> int:
 
 def prepare(opts: RunOptions) -> Prepared:
     """Check the flags, the key, the dataset and the run directory; plan; say what is missing."""
-    _validate(opts)
+    check_options(opts)
     api_key = _api_key(opts)
     prefill = _prefill(opts.prefill_messages_file)
     check = _check_dataset(opts)
@@ -172,19 +172,6 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
                           f"  {console.resume_command()}")
         return 3
     return 1 if outcome.failed else 0
-
-
-def _validate(opts: RunOptions) -> None:
-    check(opts)
-    try:
-        get_distribution(opts.distribution)
-    except KeyError as e:
-        raise UsageError(e.args[0])
-    if opts.executor != "processes":  # Ray is imported only when asked for: it costs every worker 0.3 s and 35 MB
-        from trajgen.ray_executor import check_executor
-        check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
-    if not os.path.isfile(opts.dataset_file):
-        raise UsageError(f"--dataset_file {opts.dataset_file}: no such file")
 
 
 def _api_key(opts: RunOptions) -> str:
