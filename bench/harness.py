@@ -418,18 +418,7 @@ def _run_cli_once(argv: list[str], run_name: str, n: int, server: Server, timeou
         if sampler:
             sampler.start()
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    rc = proc.wait(1.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    if not server.alive():
-                        CHILDREN.stop(proc)
-                        raise ServerDied(run_name)
-                    if time.monotonic() > deadline:
-                        CHILDREN.stop(proc)
-                        raise RuntimeError(f"{run_name}: the CLI did not finish within {timeout:.0f} s (see {log_path})")
+            rc = _wait_cli(proc, server, time.monotonic() + timeout, f"{run_name} (see {log_path})")
         except BaseException:  # Ctrl-C: stop the CLI before the server goes away
             CHILDREN.stop(proc)
             raise
@@ -457,19 +446,35 @@ def _run_cli_once(argv: list[str], run_name: str, n: int, server: Server, timeou
         peaks = sampler.peaks_mb()
         result.parent_rss_mb, result.worker_rss_mb, result.workers_seen = (
             peaks["parent_mb"], peaks["worker_mb"], peaks["workers_seen"])
-    if prompt_walls and (run_dir / "trajectories.jsonl").exists():
-        walls = []
-        with open(run_dir / "trajectories.jsonl", "rb") as f:
-            for line in f:
-                walls.append(json.loads(line)["metadata"]["usage"]["wall_seconds"])
-        if walls:
-            walls.sort()
-            result.prompt_wall_p50 = walls[len(walls) // 2]
-            result.prompt_wall_p95 = walls[min(len(walls) - 1, int(len(walls) * 0.95))]
+    if prompt_walls and (walls := _prompt_walls(run_dir)):
+        result.prompt_wall_p50 = walls[len(walls) // 2]
+        result.prompt_wall_p95 = walls[min(len(walls) - 1, int(len(walls) * 0.95))]
     if rc != 0 or result.ok != n:
         console.print(f"[yellow]warning:[/] {run_name}: exit {rc}, ok={result.ok}/{n}, failed={result.failed} "
                       f"(see {log_path})")
     return result
+
+
+def _wait_cli(proc: subprocess.Popen, server: Server, deadline: float, what: str) -> int:
+    """The CLI's exit status; ServerDied when the scripted server dies first."""
+    while True:
+        try:
+            return proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            if not server.alive():
+                CHILDREN.stop(proc)
+                raise ServerDied(what)
+            if time.monotonic() > deadline:
+                CHILDREN.stop(proc)
+                raise RuntimeError(f"{what}: the CLI did not finish in time")
+
+
+def _prompt_walls(run_dir: Path) -> list[float]:
+    """Each kept prompt's wall time, sorted."""
+    if not (run_dir / "trajectories.jsonl").exists():
+        return []
+    with open(run_dir / "trajectories.jsonl", "rb") as f:
+        return sorted(json.loads(line)["metadata"]["usage"]["wall_seconds"] for line in f)
 
 
 def _fresh(run_name: str) -> None:
