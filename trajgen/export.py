@@ -17,12 +17,12 @@ import jsonlines
 import orjson
 
 from trajgen import store
+from trajgen.options import PROVENANCE_SETTINGS
 from trajgen.trajectory import ENVELOPE_TAGS
 
 FORMATS = ("sharegpt", "openai", "parquet")
 _THINK = re.compile(r"\A<think>\n(.*?)\n</think>(?:\n|\Z)", re.DOTALL)
 _ESCAPED = re.compile(r"&lt;(/?(?:" + "|".join(ENVELOPE_TAGS) + r"))>")
-PROVENANCE_SETTINGS = ("temperature", "top_p", "max_tokens", "max_turns", "distribution", "seed", "base_url")
 
 
 def provenance(row: dict, manifest: dict) -> dict:
