@@ -373,26 +373,32 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
     lines += ["", "## Findings", ""]
     lines += [f"- {s}" for s in findings(results)]
     for key in section_order(results):
-        if key.split(":")[0] != "profile" or not results[key]["data"].get("summary"):
-            continue
-        d = results[key]["data"]
-        prof = d["summary"]
-        tag = key.partition(":")[2]
-        lines += ["", f"## Profile{f' [{tag}]' if tag else ''} — runner at {results[key].get('git_head', '?')}, {d['workers']}x{d['concurrency']}, "
-                      f"N={d['n']:,} (py-spy record --subprocesses --threads --idle; shares of busy samples)", "",
-                  "Busy = samples whose leaf frame is not a thread blocked in a system call (epoll wait, idle "
-                  "thread-pool threads, waitpid, the pipe reader). Files: "
-                  f"`{d['raw']['file']}` (collapsed stacks), `{d['flamegraph']['file']}`.", ""]
-        for role in ("worker", "parent"):
-            if role not in prof:
-                continue
-            r = prof[role]
-            lines.append(f"**{role}** ({r['processes']} process(es), {r['samples']} samples, {r['busy_samples']} busy; "
-                         f"main thread busy {100 * (r['main_thread_busy'] or 0):.0f}%)")
-            lines.append("")
-            lines.append("- self time by package: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["self_by_package"][:8]))
-            lines.append("- key frames (inclusive): " + "; ".join(f"`{k}` {100 * v:.0f}%" for k, v in key_frames(r)))
-            lines.append("- top self frames: " + "; ".join(f"`{k}` {100 * v:.1f}%" for k, v in r["top_self"][:10]))
-            lines.append("")
+        if key.split(":")[0] == "profile" and results[key]["data"].get("summary"):
+            lines += _profile_lines(key, results[key])
     lines += ["", "## Analysis", "", NOTES_START, old_notes or "(no notes yet)", NOTES_END, ""]
     harness.RESULTS_MD.write_text("\n".join(lines))
+
+
+def _profile_lines(key: str, result: dict) -> list[str]:
+    """RESULTS.md's section of one profile: busy shares by package and frame, per process role."""
+    lines: list[str] = []
+    d = result["data"]
+    prof = d["summary"]
+    tag = key.partition(":")[2]
+    lines += ["", f"## Profile{f' [{tag}]' if tag else ''} — runner at {result.get('git_head', '?')}, {d['workers']}x{d['concurrency']}, "
+                  f"N={d['n']:,} (py-spy record --subprocesses --threads --idle; shares of busy samples)", "",
+              "Busy = samples whose leaf frame is not a thread blocked in a system call (epoll wait, idle "
+              "thread-pool threads, waitpid, the pipe reader). Files: "
+              f"`{d['raw']['file']}` (collapsed stacks), `{d['flamegraph']['file']}`.", ""]
+    for role in ("worker", "parent"):
+        if role not in prof:
+            continue
+        r = prof[role]
+        lines.append(f"**{role}** ({r['processes']} process(es), {r['samples']} samples, {r['busy_samples']} busy; "
+                     f"main thread busy {100 * (r['main_thread_busy'] or 0):.0f}%)")
+        lines.append("")
+        lines.append("- self time by package: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["self_by_package"][:8]))
+        lines.append("- key frames (inclusive): " + "; ".join(f"`{k}` {100 * v:.0f}%" for k, v in key_frames(r)))
+        lines.append("- top self frames: " + "; ".join(f"`{k}` {100 * v:.1f}%" for k, v in r["top_self"][:10]))
+        lines.append("")
+    return lines
