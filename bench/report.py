@@ -280,39 +280,8 @@ def print_table(rows: list[Row]) -> None:
 
 def findings(results: dict) -> list[str]:
     """Data-driven sentences; the hand-written analysis lives between the notes markers."""
-    out = []
-    for section in ("throughput", "diag"):
-        tp = results.get(section, {}).get("data")
-        for key, runs in (tp or {}).get("configs", {}).items():
-            eff = median([r["efficiency"] for r in runs])
-            dur = median([r["duration_s"] for r in runs])
-            cpu = median([r["cpu_s"] + r["server_cpu_s"] for r in runs])
-            mb = median([r.get("machine_busy") for r in runs])
-            if dur and cpu:
-                out.append(f"{section.capitalize()} {key} (workers x concurrency{'' if runs[0].get('tools', True) else ', no tool'}): "
-                           f"efficiency {_fmt(eff)}, {_fmt(dur, 1)} s for an ideal of {runs[0]['ideal_s']:.1f} s; "
-                           f"the CLI and the server used {cpu / dur:.2f} of the 2 cores by getrusage"
-                           + (f", the whole machine was {100 * mb:.0f}% busy." if mb is not None else "."))
-    ov = results.get("overhead", {}).get("data")
-    if ov and "no_tools" in ov:
-        n = ov["n"]
-
-        def per_prompt(label):
-            runs = ov[label]["runs"]
-            ours = median([1000 * r["cpu_s"] / n for r in runs])
-            machine = median([1000 * (r["cpu_s"] + r["server_cpu_s"] + (r.get("foreign_cpu_s") or 0)) / n for r in runs])
-            rate = median([n / r["duration_s"] for r in runs if r["duration_s"]])
-            return ours, machine, rate
-
-        ms, mm, rate = per_prompt("no_tools")
-        out.append(f"Overhead without tools (latency 0): {_fmt(ms)} ms of CPU per prompt in the CLI and its children "
-                   f"(getrusage), {_fmt(mm)} ms for the whole machine; {_fmt(rate, 0)} prompts/s.")
-        if "terminal" in ov:
-            ms2, mm2, rate2 = per_prompt("terminal")
-            out.append(f"With one terminal call in bubblewrap: {_fmt(ms2)} ms per prompt by getrusage but {_fmt(mm2)} ms "
-                       f"for the whole machine (kernel work of the sandbox is charged to no process of ours); at "
-                       f"latency 0 the box does {_fmt(rate2, 0)} such prompts/s, which caps any run of this workload here: "
-                       f"--concurrency=64 at 0.5 s per prompt asks for 128/s, --concurrency=256 for 512/s.")
+    out = _throughput_findings(results)
+    out += _overhead_findings(results.get("overhead", {}).get("data"))
     sc = results.get("scale", {}).get("data")
     if sc:
         for n_str, e in sc["sizes"].items():
@@ -335,6 +304,47 @@ def findings(results: dict) -> list[str]:
         frames = ", ".join(f"`{k}` {100 * v:.0f}%" for k, v in key_frames(w)[:4])
         out.append(f"Profile (py-spy): the workers' event loops were busy {100 * (w['main_thread_busy'] or 0):.0f}% of "
                    f"the time; of their busy samples: {frames}.")
+    return out
+
+
+def _throughput_findings(results: dict) -> list[str]:
+    out = []
+    for section in ("throughput", "diag"):
+        tp = results.get(section, {}).get("data")
+        for key, runs in (tp or {}).get("configs", {}).items():
+            eff = median([r["efficiency"] for r in runs])
+            dur = median([r["duration_s"] for r in runs])
+            cpu = median([r["cpu_s"] + r["server_cpu_s"] for r in runs])
+            mb = median([r.get("machine_busy") for r in runs])
+            if dur and cpu:
+                out.append(f"{section.capitalize()} {key} (workers x concurrency{'' if runs[0].get('tools', True) else ', no tool'}): "
+                           f"efficiency {_fmt(eff)}, {_fmt(dur, 1)} s for an ideal of {runs[0]['ideal_s']:.1f} s; "
+                           f"the CLI and the server used {cpu / dur:.2f} of the 2 cores by getrusage"
+                           + (f", the whole machine was {100 * mb:.0f}% busy." if mb is not None else "."))
+    return out
+
+
+def _overhead_findings(ov: dict | None) -> list[str]:
+    if not ov or "no_tools" not in ov:
+        return []
+    n = ov["n"]
+
+    def per_prompt(label):
+        runs = ov[label]["runs"]
+        ours = median([1000 * r["cpu_s"] / n for r in runs])
+        machine = median([1000 * (r["cpu_s"] + r["server_cpu_s"] + (r.get("foreign_cpu_s") or 0)) / n for r in runs])
+        rate = median([n / r["duration_s"] for r in runs if r["duration_s"]])
+        return ours, machine, rate
+
+    ms, mm, rate = per_prompt("no_tools")
+    out = [f"Overhead without tools (latency 0): {_fmt(ms)} ms of CPU per prompt in the CLI and its children "
+           f"(getrusage), {_fmt(mm)} ms for the whole machine; {_fmt(rate, 0)} prompts/s."]
+    if "terminal" in ov:
+        ms2, mm2, rate2 = per_prompt("terminal")
+        out.append(f"With one terminal call in bubblewrap: {_fmt(ms2)} ms per prompt by getrusage but {_fmt(mm2)} ms "
+                   f"for the whole machine (kernel work of the sandbox is charged to no process of ours); at "
+                   f"latency 0 the box does {_fmt(rate2, 0)} such prompts/s, which caps any run of this workload here: "
+                   f"--concurrency=64 at 0.5 s per prompt asks for 128/s, --concurrency=256 for 512/s.")
     return out
 
 
