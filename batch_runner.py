@@ -14,9 +14,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import fire
 import orjson
+from rich.markup import escape
 
 import model_tools
 from toolset_distributions import get_distribution
@@ -185,7 +187,7 @@ def main(
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
-        console.error(f"{type(e).__name__}: {e}")
+        console.error(escape(f"{type(e).__name__}: {e}"))
         sys.exit(1)
     sys.exit(code)
 
@@ -245,7 +247,9 @@ def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
     manifest_path = run_dir / "manifest.json"
     if manifest_path.exists():
         old = store.read_json(manifest_path)
-        changed = [f"{k}: {old.get(k)!r} -> {manifest.get(k)!r}" for k in SETTINGS_THAT_MATTER if old.get(k) != manifest.get(k)]
+        compared = [k for k in SETTINGS_THAT_MATTER  # --model=local serves on a new port each time
+                    if not (k == "base_url" and manifest["model"] == local_model.NAME)]
+        changed = [f"{k}: {old.get(k)!r} -> {manifest.get(k)!r}" for k in compared if old.get(k) != manifest.get(k)]
         if changed and not opts["force"]:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
@@ -257,8 +261,9 @@ def run_local(opts: dict) -> int:
     local_model.model_path()  # a clear usage error before anything starts
     if opts["concurrency"] > 1 or opts["num_workers"] > 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
-    with local_model.serve() as url:
-        return run(**{**opts, "base_url": url, "api_key": "none", "num_workers": 1, "concurrency": 1})
+    with local_model.serve() as server:
+        return run(**{**opts, "base_url": server.url, "api_key": "none", "num_workers": 1, "concurrency": 1},
+                   health_check=server.problem)
 
 
 def run_export(opts: dict) -> int:
@@ -347,7 +352,7 @@ def _say_what_is_missing(plan: Plan, unavailable_tools: dict[str, str], unavaila
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
 
 
-def run(**opts) -> int:
+def run(health_check: Callable[[], str | None] | None = None, **opts) -> int:
     started = time.monotonic()
     backend = _validate(opts)
     path = str(opts["dataset_file"])
@@ -411,7 +416,7 @@ def run(**opts) -> int:
         if opts["dry_run"]:
             return dry_run.report(plan, model, opts["batch_size"], len(scan.done))
         outcome, previous = _run_plan(tasks(), plan, opts, run_dir, manifest, model, sandbox, tool_settings,
-                                      unavailable_tools, missing_images, started)
+                                      unavailable_tools, missing_images, started, health_check)
     finally:
         cleanup(sandbox)
 
@@ -426,7 +431,7 @@ def run(**opts) -> int:
     store.write_json(run_dir / "statistics.json", stats)
     console.summary(stats)
     if outcome.fatal:
-        console.error(f"the endpoint refused the run: {outcome.fatal}. Fix it, then resume:\n  {console.resume_command()}")
+        console.error(escape(f"{outcome.fatal}. Fix it, then resume: {console.resume_command()}"))
         return 1
     if outcome.interrupted:
         console.err.print(f"interrupted; resume with:\n  {console.resume_command()}")
@@ -440,7 +445,8 @@ def run(**opts) -> int:
 
 def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, model: ModelSettings,
               sandbox: SandboxConfig, tool_settings: ToolSettings, unavailable_tools: dict[str, str],
-              missing_images: dict[str, str], started: float) -> tuple[scheduler.Outcome, float]:
+              missing_images: dict[str, str], started: float,
+              health_check: Callable[[], str | None] | None) -> tuple[scheduler.Outcome, float]:
     """Create or continue the run directory and run the plan; returns the outcome and earlier runs' seconds."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if opts["overwrite"]:
@@ -461,7 +467,7 @@ def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, mode
     schedule = scheduler.Schedule(opts["run_name"], opts["batch_size"], opts["concurrency"], opts["require_reasoning"],
                                   opts["verbose"], opts["max_cost"], opts["max_total_tokens"])
     outcome = scheduler.execute(tasks, plan, pool, schedule, run_dir, missing_images, previous, started,
-                                on_exit=lambda: cleanup(sandbox))
+                                on_exit=lambda: cleanup(sandbox), health_check=health_check)
     return outcome, previous
 
 

@@ -9,10 +9,10 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from trajgen import console, store
-from trajgen.errors import ImageUnavailable
+from trajgen.errors import ImageUnavailable, RunStopped
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Result, Task
 
@@ -91,13 +91,16 @@ class _Spend:
 
 
 def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedule, run_dir: Path,
-            missing_images: dict[str, str], previous_seconds: float, started: float, on_exit) -> Outcome:
-    """Run the plan on `pool`; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
+            missing_images: dict[str, str], previous_seconds: float, started: float, on_exit,
+            health_check: Callable[[], str | None] | None = None) -> Outcome:
+    """Run the plan on `pool`; `on_exit` removes sandboxes when a second Ctrl-C leaves at once;
+    `health_check`, asked every turn, names why the endpoint is gone (then the run stops as on a fatal error)."""
     outcome = Outcome()
     writer = store.Writer(run_dir)
     counts: Counter = Counter()
     spend = _Spend(schedule)
     left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
+    submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
     batches = plan.batch_count(schedule.batch_size)
     window = float(schedule.concurrency)  # conversations admitted; halves on 429, grows back per completion
     last_throttle = 0.0
@@ -116,6 +119,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
             left[task.batch_num] = min(schedule.batch_size, plan.remaining - offset)
 
     def record(result: Result) -> None:
+        submitted.pop(result.key, None)
         base = {"prompt_key": result.key, "prompt_index": result.prompt_index, "batch_num": result.batch_num}
         if result.row is not None:
             spend.add(result.row)
@@ -152,6 +156,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
         with progress:
             while True:
                 outcome.budget = outcome.budget or spend.exceeded()
+                outcome.fatal = outcome.fatal or (health_check() if health_check else None)
                 stopping = signals.count > 0 or outcome.fatal is not None
                 while not (stopping or outcome.budget or exhausted) and pool.inflight < int(window):
                     task = next(tasks, None)
@@ -163,6 +168,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                                       message=f"image {task.image}: {missing_images[task.image]}"))
                     else:
                         start(task)
+                        submitted[task.key] = task
                         pool.submit(task)
                 if stopping or ((exhausted or outcome.budget) and pool.inflight == 0):
                     break
@@ -174,7 +180,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                     elif kind == "throttle" and time.monotonic() - last_throttle > 2.0:
                         window, last_throttle = max(1.0, window / 2), time.monotonic()
                     elif kind == "fatal":
-                        outcome.fatal = outcome.fatal or message[1]
+                        outcome.fatal = outcome.fatal or f"the endpoint refused the run: {message[1]}"
                     elif kind == "log":
                         console.err.print(message[1])
                 done = sum(counts.values())
@@ -183,6 +189,10 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                 for message in pool.cancel():
                     if message[0] == "result":
                         record(message[1])
+                if outcome.fatal:
+                    for task in list(submitted.values()):
+                        record(Result(task.key, task.prompt_index, task.batch_num, error_class=RunStopped.__name__,
+                                      message=outcome.fatal))
     finally:
         pool.close()
         writer.close(checkpoint())
