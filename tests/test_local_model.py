@@ -141,3 +141,14 @@ def test_the_installed_llama_cpp_has_no_instructions_beyond_the_portable_baselin
     host_only = sorted(n for n in compiled_in - X86_BASELINE if X86_INSTRUCTION_SET.match(n))
     assert not host_only, (f"llama.cpp was built with {', '.join(host_only)}, which the portable baseline excludes: "
                            'rebuild with CMAKE_ARGS="-DGGML_NATIVE=OFF" (see the README\'s set-up)')
+
+
+def test_ci_installs_exactly_what_the_readme_says_and_it_runs_as_root_or_user():
+    root = Path(__file__).resolve().parent.parent
+    readme, ci = (root / "README.md").read_text(), (root / ".ci" / "run").read_text()
+    setup = readme.split("## Set-up", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    apt, pip = setup.replace("\\\n", " ").splitlines()[0].split(" && CMAKE_ARGS=")
+    assert f"CMAKE_ARGS={pip}" in ci  # the portable build, cache skipped, then the project: the same command
+    assert apt.startswith("$(command -v sudo) apt-get update && $(command -v sudo) apt-get install -y ")
+    assert re.search(r'^packages="(.*)"$', ci, re.M).group(1).split() == apt.split("install -y ")[1].split()
+    assert "$(command -v sudo) apt-get update" in ci and not re.search(r"(^|[;&|(]\s*)sudo\s", setup + ci, re.M)
