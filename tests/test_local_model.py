@@ -103,6 +103,20 @@ def test_a_server_that_dies_mid_run_stops_it_with_the_cause_and_the_run_resumes(
     assert _prompts(read_jsonl(cli.run_dir("demo") / "trajectories.jsonl")) == sorted(names)
 
 
+@pytest.mark.slow
+def test_the_server_does_not_outlive_a_run_killed_with_9(cli):
+    _needs_local_model()
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "Name a colour."}])
+    process = cli.start("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS)
+    server = _server_pid(process)
+    process.kill()  # the CLI alone: the server runs in its own session, out of the CLI's process group
+    process.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while _running(server):
+        assert time.monotonic() < deadline, "the local model server outlived the run"
+        time.sleep(0.1)
+
+
 def _exited_server(tmp_path: Path, code: str, log: str) -> Server:
     (tmp_path / "server.log").write_text(log)
     process = subprocess.Popen([sys.executable, "-c", code])

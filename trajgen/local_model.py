@@ -8,8 +8,11 @@ its exit signal and the last lines of its log, read before the log is deleted.""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import importlib.metadata
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -28,6 +31,7 @@ NAME = "local"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STARTUP_SECONDS = 120
 LOG_LINES = 3  # of the server's log, in the error that says it stopped
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class LocalServerError(Exception):
@@ -81,6 +85,14 @@ class Server:
         return None if code is None else f"the local model server {_exit_cause(code)}; {_log_tail(self.log)}"
 
 
+def _die_with(parent: int) -> None:
+    """Runs in the server before it starts: the kernel ends it when the run ends in any way,
+    a kill -9 or a second Ctrl-C included, which skip the run's own clean-up."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the run died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,6 +126,7 @@ def serve() -> Iterator[Server]:
                  "chatml-function-calling", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
                  "--verbose", "False"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=functools.partial(_die_with, os.getpid()),
             )
         server = Server(f"http://127.0.0.1:{port}/v1", process, log)
         try:
