@@ -12,6 +12,7 @@ import os
 import sys
 
 import fire
+from rich.markup import escape
 
 from trajgen import console, flags, options, run
 from trajgen.errors import UsageError
@@ -30,7 +31,7 @@ def main(**flag_values) -> None:
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
-        console.error(f"{type(e).__name__}: {e}")
+        console.error(escape(f"{type(e).__name__}: {e}"))
         sys.exit(1)
     sys.exit(code)
 

@@ -86,13 +86,15 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
 
 
-def test_a_failed_health_check_stops_admitting_and_cancels_what_is_in_flight(tmp_path):
+def test_a_failed_health_check_stops_admitting_and_fails_what_is_in_flight(tmp_path):
     executor = AnsweringExecutor(lambda t: [Finished(decide(t, row=row(t)))], hold=lambda t: t.prompt_index >= 2)
     end = run(tmp_path, 8, executor, concurrency=2,
               health_check=lambda: "the local model server died" if len(executor.submitted) >= 4 else None)
-    assert end.fatal == "the local model server died" and end.not_run == 6
+    assert end.fatal == "the local model server died" and (end.failed, end.not_run) == (2, 4)
     assert executor.cancelled == ["k2", "k3"] and executor.submitted == ["k0", "k1", "k2", "k3"]
-    assert store.scan(tmp_path).done == {"k0", "k1"}
+    failures = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
+    assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k2", "RunStopped"), ("k3", "RunStopped")]
+    assert store.scan(tmp_path).done == {"k0", "k1"}  # the failed prompts run again on resume
 
 
 def test_a_fatal_endpoint_error_stops_the_run(tmp_path):

@@ -13,6 +13,10 @@ class FatalAPIError(Exception):
     """The endpoint refuses us for every prompt (401, 402, 403): stop the run instead of burning the dataset."""
 
 
+class RunStopped(Exception):
+    """The run stopped on a fatal error (the endpoint refused it, the local model server died) with the prompt in flight."""
+
+
 class PromptTimeout(Exception):
     """The prompt ran past --prompt_timeout."""
 

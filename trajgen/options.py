@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
+from trajgen.local_model import NAME as LOCAL_MODEL
 from trajgen.sandbox.config import SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings
@@ -156,6 +157,8 @@ class RunOptions:
     def changed_since(self, manifest: dict) -> list[str]:
         """The settings that differ from an earlier invocation's manifest, as `name: old -> new`."""
         now = self.settings_that_matter()
+        if self.model == LOCAL_MODEL:  # it serves on a new port each time: its address is not a setting
+            now.pop("base_url", None)
         return [f"{k}: {manifest.get(k)!r} -> {v!r}" for k, v in now.items() if manifest.get(k) != v]
 
 

@@ -15,7 +15,7 @@ import openai
 from trajgen import errors, llm
 from trajgen.work import Task
 
-OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed)
+OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped)
 
 
 class Status(enum.Enum):

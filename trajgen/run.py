@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import orjson
+from rich.markup import escape
 
 from trajgen import console, dataset, dry_run, export, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
@@ -81,8 +82,9 @@ def run_local(opts: RunOptions) -> int:
     local_model.model_path()  # a clear usage error before anything starts
     if opts.concurrency > 1 or opts.num_workers > 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
-    with local_model.serve() as url:
-        return run(replace(opts, base_url=url, api_key="none", num_workers=1, concurrency=1))
+    with local_model.serve() as server:
+        return run(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
+                   health_check=server.problem)
 
 
 def run_export(opts: RunOptions) -> int:
@@ -162,7 +164,7 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     store.write_json(prepared.run_dir / "statistics.json", stats)
     console.summary(stats)
     if outcome.fatal:
-        console.error(f"the run was stopped: {outcome.fatal}. Fix it, then resume:\n  {console.resume_command()}")
+        console.error(escape(f"the run was stopped: {outcome.fatal}. Fix it, then resume: {console.resume_command()}"))
         return 1
     if outcome.interrupted:
         console.err.print(f"interrupted; resume with:\n  {console.resume_command()}")

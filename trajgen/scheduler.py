@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from trajgen import console, store
-from trajgen.errors import ImageUnavailable
+from trajgen.errors import ImageUnavailable, RunStopped
 from trajgen.messages import Event, Fatal, Finished, Log, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
@@ -113,6 +113,7 @@ class Scheduler:
         self.window = float(limits.concurrency)  # conversations admitted; halves on 429, grows back per completion
         self.last_throttle = 0.0
         self.exhausted = False
+        self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
 
     def checkpoint(self) -> dict:
         return {
@@ -135,9 +136,11 @@ class Scheduler:
             if task.image in self.missing_images and needs_sandbox(task):
                 self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")))
             else:
+                self.submitted[task.key] = task
                 self.pool.submit(task)
 
     def record(self, outcome: PromptOutcome) -> None:
+        self.submitted.pop(outcome.key, None)
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
         match outcome.status:
             case Status.OK:
@@ -200,6 +203,9 @@ class Scheduler:
                     for event in self.pool.cancel():
                         if isinstance(event, Finished):
                             self.record(event.outcome)
+                if self.end.fatal:  # the prompts cut short are failed, so the statistics show them
+                    for task in list(self.submitted.values()):
+                        self.record(decide(task, error=RunStopped(self.end.fatal)))
         finally:
             self.pool.close()
             self.writer.close(self.checkpoint())
