@@ -22,7 +22,7 @@ import model_tools
 from toolset_distributions import get_distribution
 from trajgen import console, dataset, dry_run, export, local_model, merge, scheduler, store
 from trajgen import plan as plan_module
-from trajgen.errors import UsageError
+from trajgen.errors import DiskFull, UsageError
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, new_root_dir
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.tools import ToolSettings
@@ -78,7 +78,8 @@ def main(
     top_p: float | None = None,
     max_tokens: int | None = None,
     seed: int = 0,
-    max_retries: int = 5,
+    max_retries: int = 10,
+    retry_budget: float = 300.0,
     request_timeout: float = 600.0,
     prompt_timeout: float | None = None,
     require_reasoning: bool = True,
@@ -113,7 +114,7 @@ def main(
         batch_size: Consecutive prompts per batch_<N>.jsonl file.
         model: Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).
         base_url: OpenAI-compatible endpoint (default OpenRouter).
-        api_key: API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers).
+        api_key: API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.
         num_workers: Worker processes.
         concurrency: Conversations in flight across all workers.
         executor: Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).
@@ -138,7 +139,8 @@ def main(
         top_p: Nucleus sampling.
         max_tokens: Max tokens per completion.
         seed: Seed of the per-prompt toolset sampling.
-        max_retries: Retries per API call (429 and 503 honour Retry-After; 5xx, timeouts, connection errors).
+        max_retries: Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).
+        retry_budget: Seconds an API call may spend retrying before it fails its prompt.
         request_timeout: Seconds per API request.
         prompt_timeout: Wall-clock seconds per prompt; past it the prompt fails (resume retries it).
         require_reasoning: Discard samples in which no assistant turn has reasoning.
@@ -179,6 +181,9 @@ def main(
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
+    except DiskFull as e:
+        console.error(f"{e}. Every row already written is kept; free some space, then resume:\n  {console.resume_command()}")
+        sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
         console.error("interrupted")
         sys.exit(130)
@@ -237,16 +242,16 @@ def _prefill(path: str | None) -> list[dict]:
 
 def _prepare_run_dir(run_dir: Path, opts: dict, manifest: dict) -> store.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
-    exists = run_dir.exists() and any(run_dir.iterdir())
+    exists = bool(store.entries(run_dir))
     if exists and not opts["resume"] and not opts["overwrite"]:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts["overwrite"]:
         return store.Scan()
     manifest_path = run_dir / "manifest.json"
-    if manifest_path.exists():
+    if manifest_path.exists() and not opts["force"]:
         old = store.read_json(manifest_path)
         changed = [f"{k}: {old.get(k)!r} -> {manifest.get(k)!r}" for k in SETTINGS_THAT_MATTER if old.get(k) != manifest.get(k)]
-        if changed and not opts["force"]:
+        if changed:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
 
@@ -269,6 +274,7 @@ def run_export(opts: dict) -> int:
     run_dir = Path(opts["output_dir"]) / str(opts["run_name"])
     if not (run_dir / "trajectories.jsonl").exists() or not (run_dir / "manifest.json").exists():
         raise UsageError(f"{run_dir}: no finished run to export (trajectories.jsonl and manifest.json are needed)")
+    store.lock_run_dir(run_dir)
     target, count = export.export(run_dir, opts["export"])
     console.out.print(f"wrote {count} rows to {target}")
     return 0
@@ -287,7 +293,7 @@ def _validate(opts: dict) -> str:
     if "/" in opts["run_name"]:
         raise UsageError("--run_name must not contain '/'")
     for name, minimum in (("batch_size", 1), ("num_workers", 1), ("concurrency", 1), ("max_turns", 1),
-                          ("max_retries", 0), ("request_timeout", 0.001), ("command_timeout", 1)):
+                          ("max_retries", 0), ("retry_budget", 0), ("request_timeout", 0.001), ("command_timeout", 1)):
         _check_number(name, opts[name], minimum)
     for name in ("max_samples", "prompt_timeout", "max_tokens", "max_total_tokens"):
         _check_number(name, opts[name], 1, allow_none=True)
@@ -370,9 +376,13 @@ def run(**opts) -> int:
         "dataset": {"path": path, "fingerprint": check.fingerprint, "prompts": check.valid,
                     "invalid_lines_skipped": check.error_count},
     }
+    if not opts["dry_run"]:
+        store.lock_run_dir(run_dir)
     scan = _prepare_run_dir(run_dir, opts, manifest)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
+    for note in scan.notes:
+        console.notice(note)
     tool_settings = ToolSettings(
         base_url=opts["base_url"], api_key=api_key, model=opts["model"], files_dir=str(run_dir.resolve() / "files"),
         **{name: str(opts[name] or "") for name in
@@ -390,7 +400,7 @@ def run(**opts) -> int:
     model = ModelSettings(
         model=opts["model"], base_url=opts["base_url"], api_key=api_key, max_turns=opts["max_turns"],
         temperature=opts["temperature"], top_p=opts["top_p"], max_tokens=opts["max_tokens"],
-        max_retries=opts["max_retries"], request_timeout=float(opts["request_timeout"]),
+        max_retries=opts["max_retries"], retry_budget=float(opts["retry_budget"]), request_timeout=float(opts["request_timeout"]),
         prompt_timeout=opts["prompt_timeout"], extra_body=extra_body, reasoning_effort=effort,
         system_prompt=DEFAULT_SYSTEM_PROMPT, ephemeral_system_prompt=opts["ephemeral_system_prompt"],
         prefill_messages=prefill,
@@ -444,10 +454,9 @@ def _run_plan(tasks, plan: Plan, opts: dict, run_dir: Path, manifest: dict, mode
     """Create or continue the run directory and run the plan; returns the outcome and earlier runs' seconds."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if opts["overwrite"]:
-        for child in run_dir.iterdir():
+        for child in store.entries(run_dir):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-    old_checkpoint = run_dir / "checkpoint.json"
-    previous = store.read_json(old_checkpoint).get("duration_seconds_total", 0.0) if old_checkpoint.exists() else 0.0
+    previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**manifest, "updated_at": scheduler.now()})
     config = WorkerConfig(model, sandbox, tool_settings, unavailable_tools,
                           worker_share(opts["concurrency"], opts["num_workers"]), opts["verbose"])

@@ -99,7 +99,7 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
     spend = _Spend(schedule)
     left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
     batches = plan.batch_count(schedule.batch_size)
-    window = float(schedule.concurrency)  # conversations admitted; halves on 429, grows back per completion
+    window = float(schedule.concurrency)  # conversations admitted; halves on 429/503, grows back per answered prompt
     last_throttle = 0.0
 
     def checkpoint() -> dict:
@@ -170,7 +170,8 @@ def execute(tasks: Iterator[Task], plan: Plan, pool: Executor, schedule: Schedul
                     kind = message[0]
                     if kind == "result":
                         record(message[1])
-                        window = min(float(schedule.concurrency), window + 1)
+                        if message[1].row is not None:  # only an answer says the endpoint has recovered
+                            window = min(float(schedule.concurrency), window + 1)
                     elif kind == "throttle" and time.monotonic() - last_throttle > 2.0:
                         window, last_throttle = max(1.0, window / 2), time.monotonic()
                     elif kind == "fatal":
