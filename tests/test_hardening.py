@@ -164,8 +164,9 @@ def _filler(path: Path, leave: int) -> None:
         os.posix_fallocate(f.fileno(), 0, stat.f_bavail * stat.f_frsize - leave)
 
 
-@pytest.mark.parametrize("room", [300_000, 1_100_000], ids=["during-the-run", "during-the-merge"])
-def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room):
+@pytest.mark.parametrize("room, full_at", [(300_000, "batch_"), (1_100_000, "trajectories.jsonl")],
+                         ids=["during-the-run", "during-the-merge"])
+def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room, full_at):
     server = scripted_server({"default": [think("x" * 10_000)]})  # rows of about 11 KB
     names = [f"prompt {i}" for i in range(60)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
@@ -176,7 +177,9 @@ def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_serve
     assert full.returncode == 1, full.stderr
     assert "no space left" in _one_line_error(full) and "--resume" in full.stderr and "dummy-key" not in full.stderr
     run_dir = small_disk / "out" / "run"
+    assert f"writing {run_dir}/{full_at}" in full.stderr
     landed = {p for path in run_dir.glob("batch_*.jsonl") for p in _prompts(list(store.read_records(path, [])))}
+    assert (len(landed) == 60) == (full_at == "trajectories.jsonl") and landed
     asked_before = _asked(server)
     filler.unlink()
     resumed = cli.run(*cli.args(server, **flags, resume=True))

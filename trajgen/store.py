@@ -207,9 +207,13 @@ class Writer:
             raise self._error
         data = (b"\n" if fd in self.torn else b"") + orjson.dumps(record) + b"\n"
         self.torn.add(fd)
-        with writing(self.paths[fd]):
-            while data:  # one write almost always; loop in case the kernel takes less
-                data = data[os.write(fd, data):]
+        try:
+            with writing(self.paths[fd]):
+                while data:  # one write almost always; loop in case the kernel takes less
+                    data = data[os.write(fd, data):]
+        except DiskFull as e:  # the first full write is the one to report, whatever fails after it
+            self._error = e
+            raise
         self.torn.discard(fd)
 
     def row(self, batch_num: int, row: dict) -> None:
@@ -251,7 +255,7 @@ class Writer:
                             os.fsync(job)
                         os.close(job)
             except BaseException as e:  # surfaced to the scheduler at its next write or at close
-                self._error = e
+                self._error = self._error or e
 
     def close(self, final_checkpoint: dict) -> None:
         """Flush everything; the final checkpoint is written last, after every batch is on disk."""
