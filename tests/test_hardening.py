@@ -256,4 +256,4 @@ def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
     assert stopped.returncode == 1
     assert "sk-secret-123" not in stopped.stderr + stopped.stdout
     hint = next(line.strip() for line in stopped.stderr.splitlines() if line.strip().startswith("python batch_runner.py"))
-    assert "'--dataset_file=my prompts.jsonl'" in hint and hint.endswith("--resume")
+    assert "'--dataset_file=my prompts.jsonl'" in hint and "--resume  # give --api_key again" in hint

@@ -20,16 +20,18 @@ SECRET_FLAGS = ("--api_key", "--vision_api_key")
 def resume_command() -> str:
     """The command line that continues this run, shell-quoted and without keys (it ends up in
     terminals, CI logs and shell history): the keys come from the environment or are added back."""
-    args, drop_next = [], False
+    args, dropped, drop_next = [], [], False
     for arg in sys.argv[1:]:
         name = "--" + arg.lstrip("-").split("=", 1)[0].replace("-", "_")
         if drop_next:
             drop_next = False
         elif name in SECRET_FLAGS:
+            dropped.append(name)
             drop_next = "=" not in arg  # `--api_key KEY`: the key is the next word
         elif name not in ("--resume", "--overwrite"):
             args.append(arg)
-    return shlex.join(["python", "batch_runner.py", *args, "--resume"])
+    command = shlex.join(["python", "batch_runner.py", *args, "--resume"])
+    return command + (f"  # give {' and '.join(dropped)} again, or set the key's environment variable" if dropped else "")
 
 
 def error(message: str) -> None:

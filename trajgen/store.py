@@ -60,7 +60,8 @@ def lock_run_dir(run_dir: Path) -> None:
     so neither a crash nor kill -9 leaves a stale lock."""
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        locks.acquire(run_dir / LOCK)
+        with writing(run_dir / LOCK):
+            locks.acquire(run_dir / LOCK)
     except locks.LockHeld as e:
         raise UsageError(f"{run_dir} is in use by another runner (pid {e.holder or 'unknown'}); "
                          "wait for it to finish or stop it, then try again") from None
