@@ -3,6 +3,7 @@ odd replies from the endpoint, and a resume hint without the key. The real CLI a
 loopback scripted server; the full disk is a real tmpfs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -10,10 +11,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
-from trajgen import store
+from trajgen import llm, store
+from trajgen.work import ModelSettings
 
 
 def _prompts(rows: list[dict]) -> list[str]:
@@ -44,13 +47,15 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
 
 def test_second_runner_on_a_run_directory_is_refused_and_nothing_is_paid_twice(cli, scripted_server):
     server = scripted_server({"prompts": {"held": [{**think(), "gate": "held"}]}, "default": [think()]})
-    names = ["held", *(f"prompt {i}" for i in range(30))]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "done"}])
+    assert cli.run(*cli.args(server)).returncode == 0  # a finished run, so that --export has one to export
+    names = ["done", "held", *(f"prompt {i}" for i in range(30))]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    first = cli.start(*cli.args(server, concurrency=4))
+    first = cli.start(*cli.args(server, concurrency=4, resume=True))
     try:
         _wait_for(lambda: server.stats()["requests"] == len(names))  # all asked; "held" keeps the run going
-        for flag in ("resume", "overwrite"):
-            second = cli.run(*cli.args(server, concurrency=4, **{flag: True}))
+        refused = [cli.run(*cli.args(server, concurrency=4, **{flag: True})) for flag in ("resume", "overwrite")]
+        for second in [*refused, cli.run("--export=openai", "--run_name=run")]:
             assert second.returncode == 2, second.stderr
             assert "data/run is in use" in second.stderr and f"pid {first.pid}" in second.stderr
             assert len(_one_line_error(second).strip().splitlines()) == 1
@@ -257,3 +262,26 @@ def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
     assert "sk-secret-123" not in stopped.stderr + stopped.stdout
     hint = next(line.strip() for line in stopped.stderr.splitlines() if line.strip().startswith("python batch_runner.py"))
     assert "'--dataset_file=my prompts.jsonl'" in hint and "--resume  # give --api_key again" in hint
+
+
+# ---------------------------------------------------------------- the retry policy, in process
+
+
+def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_second(scripted_server):
+    server = scripted_server({"outage": {"status": 503, "seconds": 3600}})
+    settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=100, retry_budget=3.0)
+    throttled = []
+
+    async def one_call():
+        client = llm.make_client(settings, 1)
+        try:
+            await llm.complete(client, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
+        finally:
+            await client.close()
+
+    with pytest.raises(openai.InternalServerError):
+        asyncio.run(one_call())
+    times = [r["t"] for r in server.requests()]
+    assert 2 <= len(times) <= 4  # 3 s of budget, every wait at least 1 s: not 101 tries
+    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    assert len(throttled) == len(times) - 1  # a 503 slows admissions like a 429
