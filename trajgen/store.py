@@ -198,6 +198,7 @@ class Writer:
     def _open(self, path: Path) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         size = os.fstat(fd).st_size
+        self.torn.discard(fd)  # the number of a file closed earlier
         if size and os.pread(fd, 1, size - 1) != b"\n":
             self.torn.add(fd)
         self.paths[fd] = path
