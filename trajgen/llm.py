@@ -164,11 +164,10 @@ async def complete(
             _answered.add(client)
             return completion
         except (openai.APIStatusError, openai.APIConnectionError, ProviderError) as error:
-            wait = retry_wait(error, wait, client in _answered)
-            spent = time.monotonic() - started
-            if wait is None or attempt == settings.max_retries or spent + wait > settings.retry_budget:
-                raise
-            if status_of(error) in OVERLOADED:
+            if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
+            wait = retry_wait(error, wait, client in _answered)
+            if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
+                raise
             await asyncio.sleep(wait)
     raise AssertionError("unreachable")
