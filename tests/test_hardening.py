@@ -100,8 +100,7 @@ def test_append_after_a_torn_side_record_starts_on_a_fresh_line(cli, scripted_se
     assert [r["prompt"] for r in server.requests()[before:]] == ["bad"]  # "plain 2"'s discard was not swallowed
 
 
-@pytest.mark.parametrize("name", ["checkpoint.json", "statistics.json"])
-@pytest.mark.parametrize("content", ["", "{not json"])
+@pytest.mark.parametrize("name, content", [("checkpoint.json", ""), ("statistics.json", "{not json")])
 def test_unreadable_checkpoint_or_statistics_is_rebuilt_from_the_rows(cli, scripted_server, name, content):
     server = scripted_server({"default": [think()]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
