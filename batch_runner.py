@@ -15,7 +15,7 @@ import fire
 from rich.markup import escape
 
 from trajgen import console, flags, options, run
-from trajgen.errors import UsageError
+from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 
 
@@ -25,6 +25,9 @@ def main(**flag_values) -> None:
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
+    except DiskFull as e:
+        console.error(escape(f"{e}. Every row already written is kept; free some space, then resume: {console.resume_command()}"))
+        sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
         console.error("interrupted")
         sys.exit(130)

@@ -1,6 +1,7 @@
 """Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
 from __future__ import annotations
 
+import shlex
 import sys
 
 from rich.console import Console
@@ -13,10 +14,24 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
+SECRET_FLAGS = ("--api_key", "--vision_api_key")
+
+
 def resume_command() -> str:
-    """The command line that continues this run."""
-    args = [a for a in sys.argv[1:] if a not in ("--resume", "--overwrite")]
-    return " ".join(["python", "batch_runner.py", *args, "--resume"])
+    """The command line that continues this run, shell-quoted and without keys (it ends up in
+    terminals, CI logs and shell history): the keys come from the environment or are added back."""
+    args, dropped, drop_next = [], [], False
+    for arg in sys.argv[1:]:
+        name = "--" + arg.lstrip("-").split("=", 1)[0].replace("-", "_")
+        if drop_next:
+            drop_next = False
+        elif name in SECRET_FLAGS:
+            dropped.append(name)
+            drop_next = "=" not in arg  # `--api_key KEY`: the key is the next word
+        elif name not in ("--resume", "--overwrite"):
+            args.append(arg)
+    command = shlex.join(["python", "batch_runner.py", *args, "--resume"])
+    return command + (f"  # give {' and '.join(dropped)} again, or set the key's environment variable" if dropped else "")
 
 
 def error(message: str) -> None:

@@ -27,3 +27,23 @@ class ImageUnavailable(Exception):
 
 class WorkerCrashed(Exception):
     """The worker process running the prompt died."""
+
+
+class ProviderError(Exception):
+    """The endpoint answered 200 with an `{"error": {...}}` object (OpenRouter does this for an upstream failure)."""
+
+    def __init__(self, message: str, status: int | None):
+        super().__init__(f"{message} (status {status})" if status else message)
+        self.status = status
+
+
+class MalformedResponse(Exception):
+    """The endpoint answered 200 with a body that is not a chat completion (not JSON, no `choices`, `choices: []`)."""
+
+
+class DiskFull(Exception):
+    """No space left on the device of the run directory: the run stops with every row already written kept."""
+
+    def __init__(self, path):
+        super().__init__(f"no space left on the device writing {path}")
+        self.path = path

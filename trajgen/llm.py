@@ -1,7 +1,12 @@
 """Model calls: one client per worker, one retry policy, and a signal when the endpoint throttles.
 
-Retries: 429 and 503 honour Retry-After; other 5xx, timeouts and connection errors back off
-exponentially with full jitter. 401/402/403 stop the run. Other 4xx fail the prompt at once.
+Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
+times and within `--retry_budget` seconds per request, with decorrelated jitter that never waits
+less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
+never less than a Retry-After. 401/402/403 stop the run, and so does a 404 before the endpoint has
+ever answered (the model does not exist); other 4xx fail the prompt at once. A 200 whose body is
+an error object is treated like the status it names; one that is not a completion is
+MalformedResponse.
 """
 from __future__ import annotations
 
@@ -9,18 +14,25 @@ import asyncio
 import email.utils
 import random
 import time
+import weakref
 from typing import Callable
 
 import openai
+import orjson
 from openai._constants import DEFAULT_CONNECTION_LIMITS
+from openai._models import construct_type
+from openai.types.chat import ChatCompletion
 
-from trajgen.errors import FatalAPIError
+from trajgen.errors import FatalAPIError, MalformedResponse, ProviderError
 from trajgen.work import ModelSettings
 
-BACKOFF_BASE = 0.5
+BACKOFF_BASE = 1.0
 BACKOFF_CAP = 30.0
 RETRY_AFTER_CAP = 120.0
 FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "access denied"}
+OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
+
+_answered: weakref.WeakSet = weakref.WeakSet()  # clients whose endpoint has answered at least once
 
 
 def make_client(settings: ModelSettings, connections: int) -> openai.AsyncOpenAI:
@@ -64,6 +76,26 @@ def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict
     return args
 
 
+def parse_completion(body: bytes) -> ChatCompletion:
+    """The completion in a 200 body, or the error it carries instead."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise MalformedResponse(f"the reply is not JSON: {body[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise MalformedResponse(f"the reply is not a JSON object: {body[:200]!r}")
+    if isinstance(error := data.get("error"), dict):
+        code = error.get("code")
+        status = int(code) if isinstance(code, (int, str)) and str(code).isdigit() else None
+        raise ProviderError(str(error.get("message") or error)[:2000], status)
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise MalformedResponse("the reply has no choices" if choices is None else f"the reply has choices: {choices!r}"[:2000])
+    if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
+        raise MalformedResponse(f"the reply's first choice has no message: {str(choices[0])[:200]}")
+    return construct_type(type_=ChatCompletion, value=data)
+
+
 def _retry_after(response) -> float | None:
     if response is None:
         return None
@@ -82,20 +114,36 @@ def _retry_after(response) -> float | None:
         return max(0.0, parsed.timestamp() - time.time()) if parsed else None
 
 
-def retry_wait(error: Exception, attempt: int) -> float | None:
-    """Seconds to wait before the next try, or None when this error must not be retried."""
+def status_of(error: Exception) -> int | None:
+    """The HTTP status an error stands for: a real one, or the one an error object in a 200 names."""
     if isinstance(error, openai.APIStatusError):
-        status = error.status_code
-        if status in FATAL_STATUS:
-            raise FatalAPIError(f"{FATAL_STATUS[status]} (HTTP {status}): {error.message}") from error
+        return error.status_code
+    if isinstance(error, ProviderError):
+        return error.status
+    return None
+
+
+def backoff(previous: float) -> float:
+    """Decorrelated jitter: between BACKOFF_BASE and three times the previous wait, capped."""
+    return min(BACKOFF_CAP, random.uniform(BACKOFF_BASE, max(BACKOFF_BASE, 3 * previous)))
+
+
+def retry_wait(error: Exception, previous: float, answered: bool) -> float | None:
+    """Seconds to wait before the next try, or None when this error must not be retried.
+    `previous` is the last wait (0 before the first retry); `answered` says whether the endpoint
+    has answered this client before, which tells a missing model (404 at once) from a later 404."""
+    status = status_of(error)
+    if status is not None:
+        if status in FATAL_STATUS or (status == 404 and not answered):
+            what = FATAL_STATUS.get(status, "model or endpoint not found")
+            raise FatalAPIError(f"{what} (HTTP {status}): {getattr(error, 'message', error)}") from error
         if status not in (408, 409, 429) and status < 500:
             return None
-        hinted = _retry_after(error.response) if status in (429, 503) else None
-        if hinted is not None:
-            return min(hinted, RETRY_AFTER_CAP) + random.uniform(0, 0.1)
-    elif not isinstance(error, (openai.APIConnectionError, openai.APITimeoutError)):
-        return None
-    return random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
+        hinted = _retry_after(getattr(error, "response", None)) if status in OVERLOADED else None
+        return max(min(hinted or 0.0, RETRY_AFTER_CAP), backoff(previous))
+    if isinstance(error, (openai.APIConnectionError, openai.APITimeoutError)):
+        return backoff(previous)
+    return None
 
 
 async def complete(
@@ -105,17 +153,21 @@ async def complete(
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
-):
+) -> ChatCompletion:
     """One chat completion, retried per the policy above."""
     args = request_args(settings, messages, tools, forbid_tools)
+    started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
         try:
-            return await client.chat.completions.create(**args)
-        except (openai.APIStatusError, openai.APIConnectionError) as error:
-            wait = retry_wait(error, attempt)
-            if wait is None or attempt == settings.max_retries:
-                raise
-            if isinstance(error, openai.APIStatusError) and error.status_code == 429:
+            raw = await client.chat.completions.with_raw_response.create(**args)
+            completion = parse_completion(raw.content)
+            _answered.add(client)
+            return completion
+        except (openai.APIStatusError, openai.APIConnectionError, ProviderError) as error:
+            if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
+            wait = retry_wait(error, wait, client in _answered)
+            if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
+                raise
             await asyncio.sleep(wait)
     raise AssertionError("unreachable")

@@ -82,30 +82,31 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
     """Write trajectories.jsonl (atomically) and count everything on the way."""
     result = Merged()
     seen: set[str] = set()
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
-    try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as out:
-            batches = store.batch_files(run_dir)
-            result.batch_files = len(batches)
-            for _, path in batches:
-                for row in store.read_records(path, result.torn):
-                    key = store.row_key(row)
-                    if key is None or key in seen:
-                        result.duplicates_skipped += 1
-                        continue
-                    seen.add(key)
-                    if row["metadata"].get("hallucinated_tools") and not keep_hallucinated:
-                        result.hallucinated.add(row)
-                        continue
-                    result.kept.add(row)
-                    out.write(orjson.dumps(row))
-                    out.write(b"\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, run_dir / "trajectories.jsonl")
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with store.writing(run_dir / "trajectories.jsonl"):  # a full disk: DiskFull, the batch files intact
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
+        try:
+            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+                batches = store.batch_files(run_dir)
+                result.batch_files = len(batches)
+                for _, path in batches:
+                    for row in store.read_records(path, result.torn):
+                        key = store.row_key(row)
+                        if key is None or key in seen:
+                            result.duplicates_skipped += 1
+                            continue
+                        seen.add(key)
+                        if row["metadata"].get("hallucinated_tools") and not keep_hallucinated:
+                            result.hallucinated.add(row)
+                            continue
+                        result.kept.add(row)
+                        out.write(orjson.dumps(row))
+                        out.write(b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, run_dir / "trajectories.jsonl")
+        except BaseException:
+            os.unlink(tmp)
+            raise
     for record in store.read_records(run_dir / store.DISCARDED, result.torn):
         key = record.get("prompt_key")
         if key in seen:

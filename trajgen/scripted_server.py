@@ -20,8 +20,13 @@ Script format (a dict, or a JSON file holding one)
       "latency": 0.0,              # seconds to wait before every answer
       "default": [<reply>, ...],   # prompts not listed (absent: [{"content": "ok"}])
       "prompts": {"<prompt text>": [<reply>, ...]},          # exact match first
-      "match": [{"contains": "<substring>", "replies": [<reply>, ...]}]  # then in order
+      "match": [{"contains": "<substring>", "replies": [<reply>, ...]}],  # then in order
+      "outage": {"status": 429, "seconds": 20.0, "retry_after": None, "error": "..."}
     }
+
+``outage`` (optional): every chat request within ``seconds`` of the first one the
+script sees answers ``status`` (a storm of 429s, a 503 outage); after it the
+script answers as usual.
 
 A conversation is identified by the text of the FIRST ``user`` message (a string,
 or a list of content parts whose ``text`` values are joined with ``"\\n"``).
@@ -41,6 +46,8 @@ A reply is a dict with any of:
   ``completion_tokens_details``).
 - ``finish_reason`` (default ``"tool_calls"`` with tool calls, else ``"stop"``).
 - ``delay``: extra seconds for this reply, on top of ``latency``.
+- ``gate``: a name; the answer is held until the test calls ``open_gate(name)``
+  (a run kept busy for exactly as long as a test needs, no sleeps).
 - ``echo_tools``: content becomes a JSON list of the tool names in the request.
 - ``status``: answer with this HTTP error instead, body
   ``{"error": {"message": error, "type": ..., "code": status}}``; ``error`` is the
@@ -48,6 +55,10 @@ A reply is a dict with any of:
   error is served for the first N requests of that (prompt, turn) and later
   requests get the ``then`` reply (a normal reply) or ``{"content": "ok"}``.
   Without ``times`` the error is served every time.
+- ``body``: answer with exactly this body instead (a string is sent as it is, so
+  it need not be JSON; anything else is JSON-encoded), with HTTP ``status`` if
+  given, else 200: an error object inside a 200, ``{"choices": []}``, garbage.
+  ``times``/``then`` work as with ``status``.
 
 Log (``log_path`` / ``--log``): one JSON line per chat request, flushed before the
 answer is sent: ``{"t", "prompt", "turn", "body", "status", "auth"}``.
@@ -156,6 +167,7 @@ def normalize_script(script: Any) -> dict[str, Any]:
             {"contains": str(m.get("contains", "")), "replies": _reply_list(m.get("replies"))}
             for m in match
         ],
+        "outage": script.get("outage"),
     }
 
 
@@ -214,9 +226,10 @@ class Outcome:
     """What to answer to one request, decided before any waiting."""
 
     status: int
-    payload: dict[str, Any]
+    payload: dict[str, Any] | bytes  # bytes are sent as they are
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
+    gate: threading.Event | None = None  # held until the test opens it
 
 
 class ScriptedBackend:
@@ -233,6 +246,8 @@ class ScriptedBackend:
         self._lock = threading.Lock()
         self._script = normalize_script(script)
         self._times: dict[tuple[str | None, int], int] = {}
+        self._outage_ends: float | None = None  # set by the first request under an outage
+        self._gates: dict[str, threading.Event] = {}
         self._call_ids = itertools.count(1)
         self._completion_ids = itertools.count(1)
         self._total = 0
@@ -251,10 +266,18 @@ class ScriptedBackend:
         with self._lock:
             self._script = normalized
             self._times.clear()
+            self._outage_ends = None
 
     def set_latency(self, latency: float) -> None:
         with self._lock:
             self._script["latency"] = float(latency)
+
+    def gate(self, name: str) -> threading.Event:
+        with self._lock:
+            return self._gates.setdefault(name, threading.Event())
+
+    def open_gate(self, name: str) -> None:
+        self.gate(name).set()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -288,18 +311,29 @@ class ScriptedBackend:
             return outcome
         prompt, turn = conversation_key(body)
         with self._lock:
-            reply = self._pick_reply(prompt, turn)
+            reply = self._outage(arrived) or self._pick_reply(prompt, turn)
             latency = self._script["latency"]
         outcome = self._build(reply, body)
         outcome.delay += latency
+        if reply.get("gate"):
+            outcome.gate = self.gate(str(reply["gate"]))
         self._record(arrived, prompt, turn, body, outcome.status, auth)
         return outcome
+
+    def _outage(self, now: float) -> dict[str, Any] | None:
+        """The outage's error reply while it lasts; caller holds the lock."""
+        outage = self._script["outage"]
+        if not outage:
+            return None
+        if self._outage_ends is None:
+            self._outage_ends = now + float(outage["seconds"])
+        return outage if now < self._outage_ends else None
 
     def _pick_reply(self, prompt: str | None, turn: int) -> dict[str, Any]:
         """Script lookup plus the ``times`` rule; caller holds the lock."""
         replies = self._replies_for(prompt)
         reply = replies[min(turn, len(replies) - 1)]
-        if "status" in reply and "times" in reply:
+        if ("status" in reply or "body" in reply) and "times" in reply:
             key = (prompt, turn)
             seen = self._times.get(key, 0)
             self._times[key] = seen + 1
@@ -321,6 +355,10 @@ class ScriptedBackend:
 
     def _build(self, reply: dict[str, Any], body: dict[str, Any]) -> Outcome:
         delay = float(reply.get("delay") or 0.0)
+        if "body" in reply:
+            body = reply["body"]
+            return Outcome(int(reply.get("status", 200)), body.encode() if isinstance(body, str) else dumps(body),
+                           {}, delay)
         if "status" in reply:
             status = int(reply["status"])
             message = str(reply.get("error") or f"scripted error {status}")
@@ -570,7 +608,8 @@ class HttpServer:
             if request.headers.get("expect", "").lower() == "100-continue":
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             status, payload, headers = await self._route(request)
-            writer.write(encode_response(status, dumps(payload), headers, request.keep_alive))
+            body = payload if isinstance(payload, bytes) else dumps(payload)
+            writer.write(encode_response(status, body, headers, request.keep_alive))
             await writer.drain()
             if not request.keep_alive:
                 return
@@ -579,6 +618,8 @@ class HttpServer:
         path = req.path.rstrip("/") or "/"
         if req.method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
             outcome = self.backend.handle_chat(req.body, req.headers.get("authorization"))
+            while outcome.gate is not None and not outcome.gate.is_set():
+                await asyncio.sleep(0.02)
             if outcome.delay > 0:
                 await asyncio.sleep(outcome.delay)
             return outcome.status, outcome.payload, outcome.headers
@@ -622,6 +663,9 @@ class ServerHandle:
 
     def set_script(self, script: dict[str, Any]) -> None:
         self.backend.set_script(script)
+
+    def open_gate(self, name: str) -> None:
+        self.backend.open_gate(name)
 
     def requests(self) -> list[dict[str, Any]]:
         return self.backend.requests()

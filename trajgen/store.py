@@ -4,37 +4,87 @@ Files: batch_<N>.jsonl (ok rows), discarded.jsonl and failures.jsonl (side recor
 manifest.json (the run's settings), checkpoint.json (progress), statistics.json and
 trajectories.jsonl (the merge). Rows are appended as whole lines with one write and fsynced
 per batch; the JSON files are replaced atomically. Resume trusts the rows, not the checkpoint.
+Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
+next record; a full disk stops the run with DiskFull and the rows already written kept.
 """
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import re
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import orjson
 
+from trajgen import locks
+from trajgen.errors import DiskFull, UsageError
+
 BATCH_FILE = re.compile(r"batch_(\d+)\.jsonl$")
 DISCARDED = "discarded.jsonl"
 FAILURES = "failures.jsonl"
+CHECKPOINT = "checkpoint.json"
+LOCK = ".runner.lock"
+REPAIR = {  # what to do about an unreadable JSON file of the run directory
+    "manifest.json": "pass --resume --force to write it again with this run's settings",
+    CHECKPOINT: "it is rebuilt from the rows (earlier runs' durations are not counted)",
+    "statistics.json": "--resume rebuilds it from the rows",
+}
+
+
+class UnreadableFile(UsageError):
+    """A JSON file of the run directory is empty or garbage (a full disk, an editor, a crash)."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} is unreadable ({reason}): {REPAIR.get(path.name, 'delete it')}")
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn "no space left" while writing `path` into DiskFull naming it."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(path) from e
+        raise
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """One runner per run directory. Held until this process exits: the kernel then releases it,
+    so neither a crash nor kill -9 leaves a stale lock."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with writing(run_dir / LOCK):
+            locks.acquire(run_dir / LOCK)
+    except locks.LockHeld as e:
+        raise UsageError(f"{run_dir} is in use by another runner (pid {e.holder or 'unknown'}); "
+                         "wait for it to finish or stop it, then try again") from None
+
+
+def entries(run_dir: Path) -> list[Path]:
+    """What the run directory holds, apart from its lock."""
+    return [p for p in run_dir.iterdir() if p.name != LOCK] if run_dir.exists() else []
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Temp file in the same directory, fsync, rename: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with writing(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
 
 def write_json(path: Path, obj) -> None:
@@ -42,7 +92,23 @@ def write_json(path: Path, obj) -> None:
 
 
 def read_json(path: Path):
-    return orjson.loads(path.read_bytes())
+    """The JSON object in `path`; anything else is an UnreadableFile that says what to do."""
+    data = path.read_bytes()
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise UnreadableFile(path, "empty" if not data.strip() else f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise UnreadableFile(path, "not a JSON object")
+    return obj
+
+
+def read_checkpoint(run_dir: Path) -> dict:
+    """The checkpoint, or {} when there is none or it is unreadable (scan names that at the start)."""
+    try:
+        return read_json(run_dir / CHECKPOINT)
+    except (FileNotFoundError, UnreadableFile):
+        return {}
 
 
 def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
@@ -56,6 +122,8 @@ def read_records(path: Path, torn: list[str]) -> Iterator[dict]:
         return
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if raw == b"\n":  # the fresh line started after a torn one
+                continue
             try:
                 if not raw.endswith(b"\n"):
                     raise ValueError("no line end")
@@ -74,6 +142,7 @@ class Scan:
     done: set[str] = field(default_factory=set)
     next_batch: int = 0
     torn: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # damaged or missing files, said at the start
 
 
 def row_key(row: dict) -> str | None:
@@ -92,16 +161,31 @@ def scan(run_dir: Path) -> Scan:
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
+    for name in (CHECKPOINT, "statistics.json"):
+        try:
+            read_json(run_dir / name)
+        except UnreadableFile as e:
+            result.notes.append(str(e))
+        except FileNotFoundError:
+            pass
+    present = {number for number, _ in batch_files(run_dir)}
+    missing = [f"batch_{n}.jsonl" for n in read_checkpoint(run_dir).get("batch_files", []) if n not in present]
+    if missing:
+        result.notes.append(f"{', '.join(missing)} written by an earlier run are gone: their prompts run again")
     return result
 
 
 class Writer:
     """Appends rows and side records as whole lines. Batch files are opened on their first row;
     when a batch ends, a background thread fsyncs and closes it and then writes the latest
-    checkpoint, so the scheduler never waits on the disk."""
+    checkpoint, so the scheduler never waits on the disk. The checkpoint lists the batch files,
+    so that resume can say which were deleted."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
+        self.paths: dict[int, Path] = {}  # open file descriptor -> its file
+        self.torn: set[int] = set()  # descriptors whose file may end in a torn line
+        self.files = {number for number, _ in batch_files(run_dir)}
         self.batches: dict[int, int] = {}  # batch number -> open file descriptor
         self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
         self._jobs: queue.Queue = queue.Queue()
@@ -111,20 +195,33 @@ class Writer:
         self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _open(path: Path) -> int:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    def _open(self, path: Path) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        size = os.fstat(fd).st_size
+        self.torn.discard(fd)  # the number of a file closed earlier
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            self.torn.add(fd)
+        self.paths[fd] = path
+        return fd
 
     def _append(self, fd: int, record: dict) -> None:
         if self._error:
             raise self._error
-        data = orjson.dumps(record) + b"\n"
-        while data:  # one write almost always; loop in case the kernel takes less
-            data = data[os.write(fd, data):]
+        data = (b"\n" if fd in self.torn else b"") + orjson.dumps(record) + b"\n"
+        self.torn.add(fd)
+        try:
+            with writing(self.paths[fd]):
+                while data:  # one write almost always; loop in case the kernel takes less
+                    data = data[os.write(fd, data):]
+        except DiskFull as e:  # the first full write is the one to report, whatever fails after it
+            self._error = e
+            raise
+        self.torn.discard(fd)
 
     def row(self, batch_num: int, row: dict) -> None:
         if batch_num not in self.batches:
             self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
+            self.files.add(batch_num)
         self._append(self.batches[batch_num], row)
 
     def discarded(self, record: dict) -> None:
@@ -140,7 +237,7 @@ class Writer:
         """Written after everything queued before it is on disk; newer payloads replace older unwritten ones."""
         with self._lock:
             queued = self._checkpoint is not None
-            self._checkpoint = payload
+            self._checkpoint = {**payload, "batch_files": sorted(self.files)}
         if not queued:
             self._jobs.put("checkpoint")
 
@@ -150,15 +247,17 @@ class Writer:
                 if job == "checkpoint":
                     with self._lock:
                         payload, self._checkpoint = self._checkpoint, None
-                    write_json(self.run_dir / "checkpoint.json", payload)
+                    write_json(self.run_dir / CHECKPOINT, payload)
                 else:
                     for fd in self.side.values():
-                        os.fsync(fd)
+                        with writing(self.paths[fd]):
+                            os.fsync(fd)
                     if job is not None:
-                        os.fsync(job)
+                        with writing(self.paths[job]):
+                            os.fsync(job)
                         os.close(job)
             except BaseException as e:  # surfaced to the scheduler at its next write or at close
-                self._error = e
+                self._error = self._error or e
 
     def close(self, final_checkpoint: dict) -> None:
         """Flush everything; the final checkpoint is written last, after every batch is on disk."""

@@ -20,7 +20,8 @@ class ModelSettings:
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
-    max_retries: int = 5
+    max_retries: int = 10
+    retry_budget: float = 300.0  # seconds one request may spend retrying
     request_timeout: float = 600.0
     prompt_timeout: float | None = None
     extra_body: dict = field(default_factory=dict)  # provider routing and reasoning controls

@@ -1,0 +1,286 @@
+"""Never crash, never pay twice: a run in use, torn/corrupt/missing files, a full disk, outages,
+odd replies from the endpoint, and a resume hint without the key. The real CLI against the
+loopback scripted server; the full disk is a real tmpfs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from trajgen import llm, store
+from trajgen.work import ModelSettings
+
+
+def _prompts(rows: list[dict]) -> list[str]:
+    return [r["conversations"][1]["value"] for r in rows]
+
+
+def _asked(server) -> Counter:
+    """How often each (prompt, turn) reached the server."""
+    return Counter((r["prompt"], r["turn"]) for r in server.requests())
+
+
+def _wait_for(predicate, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not reached within {timeout} s")
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr and "JSONDecodeError" not in result.stderr, result.stderr
+    return result.stderr
+
+
+# ---------------------------------------------------------------- one runner per run directory
+
+
+def test_second_runner_on_a_run_directory_is_refused_and_nothing_is_paid_twice(cli, scripted_server):
+    server = scripted_server({"prompts": {"held": [{**think(), "gate": "held"}]}, "default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "done"}])
+    assert cli.run(*cli.args(server)).returncode == 0  # a finished run, so that --export has one to export
+    names = ["done", "held", *(f"prompt {i}" for i in range(30))]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    first = cli.start(*cli.args(server, concurrency=4, resume=True))
+    try:
+        _wait_for(lambda: server.stats()["requests"] == len(names))  # all asked; "held" keeps the run going
+        refused = [cli.run(*cli.args(server, concurrency=4, **{flag: True})) for flag in ("resume", "overwrite")]
+        for second in [*refused, cli.run("--export=openai", "--run_name=run")]:
+            assert second.returncode == 2, second.stderr
+            assert "data/run is in use" in second.stderr and f"pid {first.pid}" in second.stderr
+            assert len(_one_line_error(second).strip().splitlines()) == 1
+        server.open_gate("held")
+        assert first.wait(timeout=120) == 0
+    finally:
+        if first.poll() is None:
+            kill_group(first)
+    assert set(_asked(server).values()) == {1}
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+
+
+def test_lock_dies_with_its_holder(cli, scripted_server):
+    server = scripted_server({"default": [{**think(), "delay": 0.3}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
+    first = cli.start(*cli.args(server, concurrency=2))
+    _wait_for(lambda: server.stats()["requests"] > 0)
+    kill_group(first)
+    done = cli.run(*cli.args(server, resume=True))
+    assert done.returncode == 0, done.stderr
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 20
+
+
+# ---------------------------------------------------------------- torn, corrupt, missing files
+
+
+def test_append_after_a_torn_side_record_starts_on_a_fresh_line(cli, scripted_server):
+    server = scripted_server({"prompts": {"bad": [{"status": 400}]}, "default": [{"content": "no reasoning"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}])
+    assert cli.run(*cli.args(server)).returncode == 1
+    for name in (store.DISCARDED, store.FAILURES):  # as kill -9 or a full disk mid-append leaves them
+        with open(cli.run_dir() / name, "a") as f:
+            f.write('{"prompt_key": "torn", "rea')
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}, {"prompt": "plain 2"}])
+    resumed = cli.run(*cli.args(server, resume=True))
+    assert resumed.returncode == 1, resumed.stderr
+    assert "torn" in resumed.stderr
+    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    assert stats["discarded"]["total"] == 2 and stats["failed"]["by_class"] == {"BadRequestError": 1}
+    before = len(server.requests())
+    assert cli.run(*cli.args(server, resume=True)).returncode == 1
+    assert [r["prompt"] for r in server.requests()[before:]] == ["bad"]  # "plain 2"'s discard was not swallowed
+
+
+@pytest.mark.parametrize("name, content", [("checkpoint.json", ""), ("statistics.json", "{not json")])
+def test_unreadable_checkpoint_or_statistics_is_rebuilt_from_the_rows(cli, scripted_server, name, content):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
+    (cli.run_dir() / name).write_text(content)
+    before = len(server.requests())
+    resumed = cli.run(*cli.args(server, batch_size=2, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{name} is unreadable" in _one_line_error(resumed)
+    assert len(server.requests()) == before
+    assert json.loads((cli.run_dir() / name).read_text())["run_name"] == "run"
+    assert json.loads((cli.run_dir() / "statistics.json").read_text())["ok"] == 4
+
+
+def test_unreadable_manifest_says_to_force_and_export_names_it(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    assert cli.run(*cli.args(server)).returncode == 0
+    manifest = cli.run_dir() / "manifest.json"
+    manifest.write_text("")
+    refused = cli.run(*cli.args(server, resume=True))
+    assert refused.returncode == 2
+    assert "manifest.json is unreadable (empty)" in _one_line_error(refused) and "--force" in refused.stderr
+    exported = cli.run("--export=openai", "--run_name=run")
+    assert exported.returncode == 2 and "manifest.json is unreadable" in _one_line_error(exported)
+    forced = cli.run(*cli.args(server, resume=True, force=True))
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(manifest.read_text())["model"] == "test-model"
+
+
+def test_deleted_batch_file_runs_its_prompts_again_and_says_so(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    names = [f"p{i}" for i in range(6)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
+    lost = set(_prompts(read_jsonl(cli.run_dir() / "batch_1.jsonl")))
+    (cli.run_dir() / "batch_1.jsonl").unlink()
+    before = len(server.requests())
+    resumed = cli.run(*cli.args(server, batch_size=2, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "batch_1.jsonl" in resumed.stderr and "run again" in resumed.stderr
+    assert {r["prompt"] for r in server.requests()[before:]} == lost
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == names
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs (needs root); unmounted at the end."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _filler(path: Path, leave: int) -> None:
+    """Take all the free space of `path`'s file system but about `leave` bytes."""
+    stat = os.statvfs(path.parent)
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, stat.f_bavail * stat.f_frsize - leave)
+
+
+@pytest.mark.parametrize("room, full_at", [(300_000, "batch_"), (1_100_000, "trajectories.jsonl")],
+                         ids=["during-the-run", "during-the-merge"])
+def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room, full_at):
+    server = scripted_server({"default": [think("x" * 10_000)]})  # rows of about 11 KB
+    names = [f"prompt {i}" for i in range(60)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    filler = small_disk / "filler"
+    _filler(filler, room)
+    flags = {"output_dir": str(small_disk / "out"), "concurrency": 4, "batch_size": 5}
+    full = cli.run(*cli.args(server, **flags))
+    assert full.returncode == 1, full.stderr
+    assert "no space left" in _one_line_error(full) and "--resume" in full.stderr and "dummy-key" not in full.stderr
+    run_dir = small_disk / "out" / "run"
+    assert f"writing {run_dir}/{full_at}" in full.stderr
+    landed = {p for path in run_dir.glob("batch_*.jsonl") for p in _prompts(list(store.read_records(path, [])))}
+    assert (len(landed) == 60) == (full_at == "trajectories.jsonl") and landed
+    asked_before = _asked(server)
+    filler.unlink()
+    resumed = cli.run(*cli.args(server, **flags, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == sorted(names)
+    asked_again = {prompt for prompt, _ in _asked(server) - asked_before}
+    assert not asked_again & landed
+    assert json.loads((run_dir / "statistics.json").read_text())["kept"] == 60
+
+
+# ---------------------------------------------------------------- outages and odd replies
+
+
+def test_a_20_s_429_storm_is_ridden_out_at_a_bounded_request_rate(cli, scripted_server):
+    server = scripted_server({"outage": {"status": 429, "seconds": 20}, "default": [think()]})
+    names = [f"prompt {i}" for i in range(64)]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    done = cli.run(*cli.args(server, concurrency=32, max_retries=None), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+    storm = [r for r in server.requests() if r["status"] == 429]
+    start = storm[0]["t"]
+    assert sum(1 for r in storm if r["t"] < start + 1.0) <= 32  # no retry in the first second
+    assert len(storm) / 20 <= 16  # on average every prompt in flight waits at least 2 s between tries
+
+
+def test_404_at_the_start_stops_the_run_and_a_later_one_fails_its_prompt(cli, scripted_server):
+    server = scripted_server({"default": [{"status": 404, "error": "model not found"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
+    stopped = cli.run(*cli.args(server, concurrency=4))
+    assert stopped.returncode == 1
+    assert "not found (HTTP 404)" in _one_line_error(stopped)
+    assert server.stats()["requests"] <= 8
+
+    server.set_script({"prompts": {"late": [call("terminal", command="true"), {"status": 404}]},
+                       "default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(10)] + [{"prompt": "late"}])
+    later = cli.run(*cli.args(server, run_name="later", concurrency=2, num_workers=1))
+    assert later.returncode == 1, later.stderr
+    failures = read_jsonl(cli.run_dir("later") / "failures.jsonl")
+    assert [f["error_class"] for f in failures] == ["NotFoundError"]
+    assert len(read_jsonl(cli.run_dir("later") / "trajectories.jsonl")) == 10
+
+
+def test_error_object_in_a_200_and_bodies_that_are_not_completions(cli, scripted_server):
+    upstream = {"error": {"message": "Upstream provider returned 502", "code": 502}}
+    server = scripted_server({"prompts": {
+        "flaky": [{"body": upstream, "times": 2, "then": think()}],
+        "refused": [{"body": {"error": {"message": "Provider refused the request", "code": 400}}}],
+        "garbage": [{"body": "<html>bad gateway</html>"}],
+        "empty": [{"body": {"id": "x", "choices": []}}],
+        "nochoices": [{"body": {"id": "x"}}],
+    }, "default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("flaky", "refused", "garbage", "empty", "nochoices", "fine")])
+    done = cli.run(*cli.args(server, max_retries=3))
+    assert done.returncode == 1, done.stderr
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
+    assert _asked(server)[("flaky", 0)] == 3
+    failures = {f["prompt_key"]: f for f in read_jsonl(cli.run_dir() / "failures.jsonl")}
+    by_class = Counter(f["error_class"] for f in failures.values())
+    assert by_class == {"MalformedResponse": 3, "ProviderError": 1}
+    assert any("Provider refused the request" in f["message"] for f in failures.values())
+    resumed = cli.run(*cli.args(server, max_retries=3, resume=True))
+    assert resumed.returncode == 1 and _asked(server)[("flaky", 0)] == 3  # only the failed ones run again
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
+    server = scripted_server({"default": [{"status": 401, "error": "bad key"}]})
+    write_jsonl(cli.cwd / "my prompts.jsonl", [{"prompt": "a"}])
+    stopped = cli.run(*cli.args(server, dataset_file="my prompts.jsonl", api_key="sk-secret-123"))
+    assert stopped.returncode == 1
+    assert "sk-secret-123" not in stopped.stderr + stopped.stdout
+    hint = next(line.strip() for line in stopped.stderr.splitlines() if line.strip().startswith("python batch_runner.py"))
+    assert "'--dataset_file=my prompts.jsonl'" in hint and "--resume  # give --api_key again" in hint
+
+
+# ---------------------------------------------------------------- the retry policy, in process
+
+
+def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_second(scripted_server):
+    server = scripted_server({"outage": {"status": 503, "seconds": 3600}})
+    settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=100, retry_budget=3.0)
+    throttled = []
+
+    async def one_call():
+        client = llm.make_client(settings, 1)
+        try:
+            await llm.complete(client, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
+        finally:
+            await client.close()
+
+    with pytest.raises(openai.InternalServerError):
+        asyncio.run(one_call())
+    times = [r["t"] for r in server.requests()]
+    assert 2 <= len(times) <= 4  # 3 s of budget, every wait at least 1 s: not 101 tries
+    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    assert len(throttled) == len(times)  # a 503 slows admissions like a 429
