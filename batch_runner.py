@@ -12,7 +12,6 @@ import os
 import sys
 
 import fire
-from rich.markup import escape
 
 from trajgen import console, flags, options, run
 from trajgen.errors import DiskFull, UsageError
@@ -26,7 +25,7 @@ def main(**flag_values) -> None:
         console.error(str(e))
         sys.exit(2)
     except DiskFull as e:
-        console.error(escape(f"{e}. Every row already written is kept; free some space, then resume: {console.resume_command()}"))
+        console.stopped(f"{e}. Every row already written is kept; free some space, then resume with:")
         sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
         console.error("interrupted")
@@ -34,7 +33,7 @@ def main(**flag_values) -> None:
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
-        console.error(escape(f"{type(e).__name__}: {e}"))
+        console.error(f"{type(e).__name__}: {e}")
         sys.exit(1)
     sys.exit(code)
 

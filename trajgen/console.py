@@ -5,6 +5,7 @@ import shlex
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -35,11 +36,17 @@ def resume_command() -> str:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def stopped(message: str, error: bool = True) -> None:
+    """Why the run stopped, then the command that resumes it on a line of its own, ready to paste."""
+    prefix = "[bold red]error:[/] " if error else ""
+    err.print(f"{prefix}{escape(message)}\n  {escape(resume_command())}", soft_wrap=True)
 
 
 def notice(message: str) -> None:
-    err.print(f"[yellow]note:[/] {message}", soft_wrap=True)
+    err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
 
 
 def distributions_table() -> Table:

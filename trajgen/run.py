@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import orjson
-from rich.markup import escape
 
 from trajgen import console, dataset, dry_run, export, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
@@ -168,14 +167,13 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     store.write_json(prepared.run_dir / "statistics.json", stats)
     console.summary(stats)
     if outcome.fatal:
-        console.error(escape(f"the run was stopped: {outcome.fatal}. Fix it, then resume: {console.resume_command()}"))
+        console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:")
         return 1
     if outcome.interrupted:
-        console.err.print(f"interrupted; resume with:\n  {console.resume_command()}")
+        console.stopped("interrupted; resume with:", error=False)
         return 130
     if outcome.budget:
-        console.err.print(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:\n"
-                          f"  {console.resume_command()}")
+        console.stopped(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:", error=False)
         return 3
     return 1 if outcome.failed else 0
 

@@ -220,5 +220,5 @@ class Scheduler:
         self.pool.kill()
         self.writer.close(self.checkpoint())
         on_exit()
-        console.err.print(f"\nstopped at once; resume with:\n  {console.resume_command()}")
+        console.stopped("\nstopped at once; resume with:", error=False)
         os._exit(130)
