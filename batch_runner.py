@@ -67,6 +67,9 @@ def main(
     force: bool = False,
     list_distributions: bool = False,
     export: str | None = None,
+    view: bool = False,
+    report: bool = False,
+    view_port: int = 8765,
     dry_run: bool = False,
     max_cost: float | None = None,
     max_total_tokens: int | None = None,
@@ -127,6 +130,9 @@ def main(
         force: With --resume, accept a changed model, distribution or sampling settings.
         list_distributions: Print the toolset distributions and exit.
         export: Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.
+        view: Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.
+        report: Write a self-contained report.html of a run (--run_name) into its directory, and exit.
+        view_port: Port of --view on 127.0.0.1 (0: any free port).
         dry_run: Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.
         max_cost: Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).
         max_total_tokens: Stop admitting prompts once this invocation has used this many tokens.
@@ -172,6 +178,9 @@ def main(
     try:
         if export:
             code = run_export(options)
+        elif view or report:
+            from trajgen.viewer import command as viewer
+            code = viewer.run(options)
         elif model == local_model.NAME:
             code = run_local(options)
         else:
