@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 from html import escape
 from importlib import resources
 
@@ -16,6 +17,7 @@ from trajgen.viewer.summary import Summary
 WIDTH = 640
 LABEL = 170  # room for the names left of horizontal bars
 BAR = 18
+CHAR = 7  # width of a character of the charts' text, roughly
 
 
 def _e(value) -> str:
@@ -41,7 +43,8 @@ def bars(rows: list[tuple[str, list[tuple[int, str, str]]]], label: str) -> str:
     if not rows:
         return '<p class="empty">none</p>'
     top = max(sum(v for v, _, _ in segments) for _, segments in rows) or 1
-    scale = (WIDTH - LABEL - 90) / top
+    values = [" / ".join(str(v) for v, _, _ in segments) for _, segments in rows]
+    scale = (WIDTH - LABEL - 12 - CHAR * max(map(len, values))) / top
     body = []
     for i, (name, segments) in enumerate(rows):
         y = 4 + i * (BAR + 6)
@@ -50,7 +53,7 @@ def bars(rows: list[tuple[str, list[tuple[int, str, str]]]], label: str) -> str:
         for value, cls, legend in segments:
             body.append(_rect(x, y, value * scale, BAR, cls, f"{name}: {legend} {value}"))
             x += value * scale
-        body.append(_text(x + 6, y + BAR - 5, " / ".join(str(v) for v, _, _ in segments), "value"))
+        body.append(_text(x + 6, y + BAR - 5, values[i], "value"))
     return _svg(8 + len(rows) * (BAR + 6), "".join(body), label)
 
 
@@ -61,15 +64,17 @@ def histogram(bins: list[tuple[int, int, int]], label: str, unit: str) -> str:
     height, bottom = 160, 132
     top = max(count for _, _, count in bins) or 1
     width = (WIDTH - 20) / len(bins)
+    spans = [str(low) if low == high else f"{low}-{high}" for low, high, _ in bins]
+    every = math.ceil((CHAR * max(map(len, spans)) + 6) / width)  # label every n-th bin, so labels never overlap
     body = []
     for i, (low, high, count) in enumerate(bins):
         h = (bottom - 28) * count / top
         x = 10 + i * width
-        span = str(low) if low == high else f"{low}-{high}"
-        body.append(_rect(x + 1, bottom - h, width - 2, h, "bar-hist", f"{span} {unit}: {count} rows"))
+        body.append(_rect(x + 1, bottom - h, width - 2, h, "bar-hist", f"{spans[i]} {unit}: {count} rows"))
         if count:
             body.append(_text(x + width / 2, bottom - h - 4, count, "axis", "middle"))
-        body.append(_text(x + width / 2, bottom + 14, span, "axis", "middle"))
+        if i % every == 0:
+            body.append(_text(x + width / 2, bottom + 14, spans[i], "axis", "middle"))
     body.append(_text(WIDTH / 2, height - 2, f"{unit} (rows per bin above each bar)", "axis", "middle"))
     return _svg(height, "".join(body), label)
 
