@@ -160,7 +160,7 @@ def run(n: int, repeats: int, pages: int) -> list[tuple[str, str, str]]:
         finally:
             process.send_signal(2)
             process.wait(timeout=60)
-    rows.append(("start: index built, URL printed", f"{statistics.median(starts):.2f} s", ""))
+    rows.append(("start: index built and summary ready, URL printed", f"{statistics.median(starts):.2f} s", ""))
     rows.append(("viewer peak RSS", f"{statistics.median(hwm):.0f} MB", ""))
     for name, values in times.items():
         ms = 1000 * statistics.median(values)
@@ -169,12 +169,12 @@ def run(n: int, repeats: int, pages: int) -> list[tuple[str, str, str]]:
     return rows
 
 
-def write(rows: list[tuple[str, str, str]], n: int, repeats: int, pages: int) -> None:
+def write(rows: list[tuple[str, str, str]], n: int, repeats: int, pages: int, load: str) -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     date = time.strftime("%Y-%m-%d", time.gmtime())
     lines = [START, "## Viewer", "",
              f"`python bench/viewer.py --n={n} --repeats={repeats}` ({date}, at {head}; {os.cpu_count()} cores, a shared "
-             f"machine). Medians over {repeats} viewer starts; within each, {pages} requests per paging scenario. "
+             f"machine: load average {load}). Medians over {repeats} viewer starts; within each, {pages} requests per paging scenario. "
              f"Target: under {TARGET_MS:.0f} ms per page, over HTTP on 127.0.0.1.", "",
              "| what | median | page target |", "|---|---|---|"]
     lines += [f"| {name} | {value} | {verdict} |" for name, value, verdict in rows]
@@ -195,7 +195,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pages", type=int, default=20, help="requests per paging scenario in each repeat")
     args = p.parse_args()
-    write(run(args.n, args.repeats, args.pages), args.n, args.repeats, args.pages)
+    before = os.getloadavg()[0]
+    rows = run(args.n, args.repeats, args.pages)
+    write(rows, args.n, args.repeats, args.pages, f"{before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

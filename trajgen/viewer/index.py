@@ -10,6 +10,8 @@ back from its file at its offset when it is opened.
 """
 from __future__ import annotations
 
+import gc
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,7 @@ class Entry:
     offset: int
     length: int
     prompt_index: int | None
+    order: int  # the prompt index, unknown ones last: the list's order
     batch_num: int | None
     dataset_id: str | None
     preview: str
@@ -55,11 +58,9 @@ class _File:
 
 @dataclass
 class Tallies:
-    """merge.Tally per group, fed as rows arrive; `kept_all` counts hallucinated rows as kept
-    (a run made with --keep_hallucinated)."""
+    """merge.Tally per group, fed as rows arrive (`kept`: the rows that called no tool they were not offered)."""
 
     kept: merge.Tally = field(default_factory=merge.Tally)
-    kept_all: merge.Tally = field(default_factory=merge.Tally)
     hallucinated: merge.Tally = field(default_factory=merge.Tally)
     discarded: merge.Tally = field(default_factory=merge.Tally)
     duplicates: int = 0
@@ -86,24 +87,40 @@ class RunIndex:
     def refresh(self) -> None:
         """Read what has landed since the last refresh; start over if a file shrank (--overwrite)
         or a row arrived for a prompt already counted as discarded (not the merge's order)."""
+        gc.disable()  # 100,000 new entries would set off many full collections, for nothing to free
         try:
             self._extend()
         except _Restart:
             self._reset()
             self._extend()
+        finally:
+            gc.enable()
 
     def _extend(self) -> None:
-        names = [p.name for _, p in store.batch_files(self.run_dir)] if self.run_dir.is_dir() else []
-        for name in names + list(SOURCES):
-            try:
-                size = (self.run_dir / name).stat().st_size
-            except FileNotFoundError:
-                size = 0
+        sizes = self._sizes()
+        if not self.files.keys() <= sizes.keys():  # a file went away: --overwrite
+            raise _Restart
+        for name, size in sizes.items():
             known = self.files.setdefault(name, _File())
             if size < known.size:
                 raise _Restart
             if size > known.size:
                 self._read(name, known)
+
+    def _sizes(self) -> dict[str, int]:
+        """The files the index reads, in the merge's order (batches by number, then the side records),
+        with their sizes now. One scandir: a run of 100,000 prompts has 10,000 batch files."""
+        found = []
+        try:
+            with os.scandir(self.run_dir) as listing:
+                for item in listing:
+                    if match := store.BATCH_FILE.match(item.name):
+                        found.append(((0, int(match.group(1))), item.name, item.stat().st_size))
+                    elif item.name in SOURCES:
+                        found.append(((1, SOURCES.index(item.name)), item.name, item.stat().st_size))
+        except FileNotFoundError:
+            return {}
+        return {name: size for _, name, size in sorted(found)}
 
     def _read(self, name: str, known: _File) -> None:
         with open(self.run_dir / name, "rb") as f:
@@ -138,9 +155,7 @@ class RunIndex:
         if held >= 0 and self.entries[held].kind == DISCARDED:
             raise _Restart
         entry = _entry(ROW, where, key, row, row, None)
-        t = self.tallies
-        t.kept_all.add(row)
-        (t.hallucinated if entry.hallucinated else t.kept).add(row)
+        (self.tallies.hallucinated if entry.hallucinated else self.tallies.kept).add(row)
         self._put(key, entry)
 
     def _add_discarded(self, where: tuple, record: dict) -> None:
@@ -149,8 +164,9 @@ class RunIndex:
         if held >= 0 and self.entries[held].kind != FAILED:
             return
         row = record.get("row") if isinstance(record.get("row"), dict) else {}
+        entry = _entry(DISCARDED, where, key, record, row, str(record.get("reason", "unknown")))
         self.tallies.discarded.add(row)
-        self._put(key, _entry(DISCARDED, where, key, record, row, str(record.get("reason", "unknown"))))
+        self._put(key, entry)
 
     def _add_failure(self, where: tuple, record: dict) -> None:
         key = record.get("prompt_key")
@@ -174,14 +190,15 @@ class RunIndex:
             return orjson.loads(f.read(entry.length))
 
 
-_interned: dict[str, str] = {}
+_shared: dict[tuple, tuple] = {}
 
 
 def _names(values) -> tuple[str, ...]:
-    """A tuple of the strings in `values`, shared between entries (100,000 rows name a few tools)."""
-    if not isinstance(values, (list, tuple)):
+    """The strings of `values` as a tuple shared between entries (100,000 rows name a few toolsets)."""
+    if not isinstance(values, list):
         return ()
-    return tuple(_interned.setdefault(v, sys.intern(v)) for v in values if isinstance(v, str))
+    names = tuple(v for v in values if isinstance(v, str))
+    return _shared.setdefault(names, tuple(map(sys.intern, names)))
 
 
 def _prompt(row: dict) -> str:
@@ -203,6 +220,7 @@ def _entry(kind: str, where: tuple, key, record: dict, row: dict, reason: str | 
     return Entry(
         key=key, kind=kind, file=where[0], line=where[1], offset=where[2], length=where[3],
         prompt_index=index if isinstance(index, int) else None,
+        order=index if isinstance(index, int) else sys.maxsize,
         batch_num=batch if isinstance(batch, int) else None,
         dataset_id=dataset_id,
         preview=" ".join(prompt[:PREVIEW_CHARS].split()),

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Callable
 
 from trajgen.viewer.index import DISCARDED, FAILED, Entry, RunIndex
 
@@ -34,16 +36,25 @@ class Filters:
     def from_params(cls, params: dict[str, str]) -> "Filters":
         return cls(**{f.name: params.get(f.name, "").strip() for f in fields(cls)})
 
-    def match(self, entry: Entry, keep_hallucinated: bool) -> bool:
-        q = self.q.lower()
-        found = not q or q in entry.search or q in (str(entry.prompt_index), entry.key, (entry.dataset_id or "").lower())
-        return (found
-                and (not self.status or status(entry, keep_hallucinated) == self.status)
-                and (not self.tool or self.tool in entry.tools)
-                and (not self.toolset or self.toolset in entry.toolsets_offered)
-                and (not self.hallucinated or entry.hallucinated == (self.hallucinated == "yes"))
-                and (not self.partial or entry.partial == (self.partial == "yes"))
-                and (not self.failed_class or (entry.kind == FAILED and entry.reason == self.failed_class)))
+    def predicate(self, keep_hallucinated: bool) -> Callable[[Entry], bool]:
+        """One test per filter that is set, so an unfiltered page costs nothing per entry."""
+        tests: list[Callable[[Entry], bool]] = []
+        if q := self.q.lower():
+            tests.append(lambda e: q in e.search or q == e.key or q == (e.dataset_id or "").lower()
+                         or q == str(e.prompt_index))
+        if self.status:
+            tests.append(lambda e: status(e, keep_hallucinated) == self.status)
+        if self.tool:
+            tests.append(lambda e: self.tool in e.tools)
+        if self.toolset:
+            tests.append(lambda e: self.toolset in e.toolsets_offered)
+        if self.hallucinated:
+            tests.append(lambda e: e.hallucinated == (self.hallucinated == "yes"))
+        if self.partial:
+            tests.append(lambda e: e.partial == (self.partial == "yes"))
+        if self.failed_class:
+            tests.append(lambda e: e.kind == FAILED and e.reason == self.failed_class)
+        return lambda e: all(test(e) for test in tests)
 
 
 class Pager:
@@ -57,14 +68,16 @@ class Pager:
 
     def ordered(self) -> list[Entry]:
         if self._sorted[0] != self.index.version:
-            entries = sorted(self.index.entries, key=lambda e: (e.prompt_index is None, e.prompt_index or 0, e.key or ""))
+            entries = sorted(self.index.entries, key=attrgetter("order"))
             self._sorted = (self.index.version, entries)
         return self._sorted[1]
 
     def matching(self, filters: Filters, keep_hallucinated: bool) -> list[Entry]:
         stamp = (self.index.version, filters, keep_hallucinated)
         if self._matched[0] != stamp:
-            self._matched = (stamp, [e for e in self.ordered() if filters.match(e, keep_hallucinated)])
+            entries = self.ordered()
+            self._matched = (stamp, list(filter(filters.predicate(keep_hallucinated), entries))
+                             if filters != Filters() else entries)
         return self._matched[1]
 
     def page(self, filters: Filters, keep_hallucinated: bool, start: int, limit: int) -> tuple[int, list[Entry]]:

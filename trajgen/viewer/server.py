@@ -137,8 +137,11 @@ def handler(viewer: Viewer, port_box: list[int]):
 def serve(index: RunIndex, port: int) -> int:
     """Serve until Ctrl-C; returns the exit status."""
     port_box = [port]
+    viewer = Viewer(index)
+    viewer.summary()  # the first page the browser asks for is then ready
+    viewer.pager.ordered()
     try:
-        server = ThreadingHTTPServer(("127.0.0.1", port), handler(Viewer(index), port_box))
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler(viewer, port_box))
     except OSError as e:
         console.error(f"cannot listen on 127.0.0.1:{port}: {e.strerror} (--view_port=0 takes any free port)")
         return 2

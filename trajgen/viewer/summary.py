@@ -60,7 +60,7 @@ def summarize(index: RunIndex) -> Summary:
     t = index.tallies
     entries = index.entries
     merged = merge.Merged(
-        kept=t.kept_all if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
+        kept=_together(t.kept, t.hallucinated) if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
         discarded=t.discarded,
         discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
         failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED),
@@ -75,6 +75,17 @@ def summarize(index: RunIndex) -> Summary:
     return Summary(stats=stats, live=live, keep_hallucinated=keep,
                    turns=histogram([e.turns for e in kept]), tokens=histogram([e.tokens for e in kept]),
                    toolsets={name: (sampled[name], offered[name]) for name in sorted(sampled | offered)})
+
+
+def _together(a: merge.Tally, b: merge.Tally) -> merge.Tally:
+    """One Tally of both groups, tools included (Tally's `+` leaves tools out)."""
+    total = a + b
+    for group in (a, b):
+        for name, counts in group.tools.items():
+            entry = total.tools.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            for k in entry:
+                entry[k] += counts[k]
+    return total
 
 
 _HEADER = ("run_name", "model", "distribution", "total_prompts", "batch_size", "remaining_not_run",
