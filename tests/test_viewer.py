@@ -152,6 +152,7 @@ def test_filters_show_exactly_the_right_rows(made, url, page):
     choose(page, "status", "failed", [2])
     page.locator("#detail .banner.failed").wait_for()
     assert "BadRequestError" in page.inner_text("#detail")
+    page.locator("#detail .turn.human", has_text="refused").wait_for()  # its prompt, from the dataset file
     choose(page, "status", "discarded", [3])
     assert "no_reasoning" in page.inner_text("#rows")
     choose(page, "status", "", every)
@@ -271,6 +272,11 @@ def test_an_index_follows_a_run_that_is_still_going(made, tmp_path):
     found = summarize(index)
     assert len(index.entries) == 10 and not found.live
     assert found.stats == json.loads((source / "statistics.json").read_text())
+    for path in target.glob("*.jsonl"):  # --overwrite: the run starts again
+        path.unlink()
+    (target / "batch_0.jsonl").write_bytes(lines[0][1])
+    index.refresh()
+    assert [e.prompt_index for e in index.entries] == [json.loads(lines[0][1])["prompt_index"]]
 
 
 def test_ctrl_c_stops_the_viewer_quietly(made):

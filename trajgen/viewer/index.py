@@ -89,10 +89,11 @@ class RunIndex:
         or a row arrived for a prompt already counted as discarded (not the merge's order)."""
         gc.disable()  # 100,000 new entries would set off many full collections, for nothing to free
         try:
-            self._extend()
-        except _Restart:
-            self._reset()
-            self._extend()
+            for _ in range(3):  # the files may change under us once more (an --overwrite going on)
+                try:
+                    return self._extend()
+                except _Restart:
+                    self._reset()
         finally:
             gc.enable()
 
@@ -123,7 +124,11 @@ class RunIndex:
         return {name: size for _, name, size in sorted(found)}
 
     def _read(self, name: str, known: _File) -> None:
-        with open(self.run_dir / name, "rb") as f:
+        try:
+            f = open(self.run_dir / name, "rb")
+        except FileNotFoundError:
+            raise _Restart
+        with f:
             f.seek(known.size)
             for raw in f:
                 if not raw.endswith(b"\n"):

@@ -7,6 +7,7 @@ are refused (a web page elsewhere cannot reach the viewer through DNS rebinding)
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -80,7 +81,7 @@ class Viewer:
         if position is None:
             return None
         found = self.index.entries[position]
-        return conversation.view(found, self.index.read(found), self.keep_hallucinated())
+        return conversation.view(found, self.index.read(found), self.keep_hallucinated(), self.index.run_dir)
 
 
 def _int(value: str | None, default: int) -> int:
@@ -134,6 +135,14 @@ def handler(viewer: Viewer, port_box: list[int]):
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """One line, not a traceback; a browser that went away mid-answer is not worth one."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):
+            console.error(f"viewer: {type(error).__name__}: {error}")
+
+
 def serve(index: RunIndex, port: int) -> int:
     """Serve until Ctrl-C; returns the exit status."""
     port_box = [port]
@@ -141,7 +150,7 @@ def serve(index: RunIndex, port: int) -> int:
     viewer.summary()  # the first page the browser asks for is then ready
     viewer.pager.ordered()
     try:
-        server = ThreadingHTTPServer(("127.0.0.1", port), handler(viewer, port_box))
+        server = _Server(("127.0.0.1", port), handler(viewer, port_box))
     except OSError as e:
         console.error(f"cannot listen on 127.0.0.1:{port}: {e.strerror} (--view_port=0 takes any free port)")
         return 2

@@ -180,7 +180,8 @@ function renderEntry(found) {
   const side = el("aside", "meta");
   if (found.status === "failed") {
     chat.append(el("p", "banner failed", `failed: ${found.reason}`), pre(found.record.message || "", "error"),
-                el("p", "empty", "No conversation was written: the prompt failed (resume retries it)."));
+                el("p", "empty", "No conversation was written: the prompt failed (resume retries it)." +
+                   (found.turns.length ? " Its prompt, from the dataset file:" : "")));
   } else if (found.status === "discarded") {
     chat.append(el("p", "banner discarded", `discarded: ${found.reason}`));
   } else if (found.status === "filtered") {
