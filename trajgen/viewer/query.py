@@ -40,8 +40,9 @@ class Filters:
         """One test per filter that is set, so an unfiltered page costs nothing per entry."""
         tests: list[Callable[[Entry], bool]] = []
         if q := self.q.lower():
-            tests.append(lambda e: q in e.search or q == e.key or q == (e.dataset_id or "").lower()
-                         or q == str(e.prompt_index))
+            number = int(q) if q.isdigit() else None
+            tests.append(lambda e: q in e.search or e.prompt_index == number or q == e.key
+                         or q == (e.dataset_id or "").lower())
         if self.status:
             tests.append(lambda e: status(e, keep_hallucinated) == self.status)
         if self.tool:
