@@ -12,6 +12,7 @@ from html import escape
 from importlib import resources
 
 from trajgen import console
+from trajgen.scheduler import now
 from trajgen.viewer.summary import Summary
 
 WIDTH = 640
@@ -144,4 +145,5 @@ def report_html(summary: Summary) -> str:
             f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
             f'<title>{_e("Report: " + str(summary.stats["run_name"]))}</title><style>{css}</style></head>'
-            f'<body class="report"><main id="summary">{summary_html(summary)}</main></body></html>\n')
+            f'<body class="report"><main id="summary">{summary_html(summary)}'
+            f'<p class="empty">Written by <code>batch_runner.py --report</code> at {_e(now())}.</p></main></body></html>\n')
