@@ -13,7 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
-from pathlib import Path
+import time
 
 import pytest
 
@@ -115,12 +115,16 @@ def choose(page, name: str, value: str, expected: list[int]) -> None:
     sync_api.expect(page.locator("#rows tr td:first-child")).to_have_text([str(i) for i in expected])
 
 
+def overview(page) -> dict[str, str]:
+    """The summary's "At a glance" table: label -> value, as shown."""
+    page.locator("#summary table.overview").wait_for()
+    return dict(zip(page.locator("table.overview th").all_inner_texts(), page.locator("table.overview td").all_inner_texts()))
+
+
 def test_the_summary_shows_statistics_json_and_the_cli_s_numbers(made, url, page):
     cli, done, stats = made
     page.goto(url)
-    page.locator("#summary table.overview").wait_for()
-    shown = dict(zip(page.locator("table.overview th").all_inner_texts(),
-                     page.locator("table.overview td").all_inner_texts()))
+    shown = overview(page)
     assert shown["prompts in dataset"] == "10" == str(stats["total_prompts"])
     assert shown["ok (rows written)"] == str(stats["ok"]) == "8"
     assert shown["kept in trajectories.jsonl"] == str(stats["kept"]) == "7"
@@ -284,3 +288,35 @@ def test_ctrl_c_stops_the_viewer_quietly(made):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 0
     assert "Traceback" not in process.stderr.read()
+
+
+def test_the_viewer_follows_a_run_that_is_still_going(made, page):
+    cli = made[0]
+    server = start_server({"default": [{**call("terminal", command="true"), "delay": 0.3}, {**think(), "delay": 0.3}]})
+    try:
+        write_jsonl(cli.cwd / "slow.jsonl", [{"prompt": f"slow {i}"} for i in range(12)])
+        running = cli.start(*cli.args(server, run_name="live", dataset_file="slow.jsonl", num_workers=1, concurrency=1,
+                                      batch_size=2))
+        first = cli.run_dir("live") / "batch_0.jsonl"
+        deadline = time.monotonic() + 120
+        while not (first.exists() and first.read_bytes().count(b"\n")) and running.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        viewer, address = start_viewer(cli, "--run_name=live")
+        try:
+            page.goto(address)
+            page.locator("#summary p.live").wait_for()  # counts from the files: no statistics.json yet
+            assert int(overview(page)["ok (rows written)"]) < 12
+            assert running.wait(timeout=300) == 0
+            stats = json.loads((cli.run_dir("live") / "statistics.json").read_text())
+            deadline = time.monotonic() + 60
+            while page.locator("#summary p.live").count() or overview(page)["ok (rows written)"] != "12":
+                assert time.monotonic() < deadline
+                page.reload()
+                page.locator("#summary table.overview").wait_for()
+            assert overview(page)["api calls"] == str(stats["api_calls"]) == "24"
+        finally:
+            viewer.send_signal(signal.SIGINT)
+            viewer.wait(timeout=60)
+    finally:
+        server.stop()

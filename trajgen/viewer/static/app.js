@@ -43,6 +43,7 @@ async function loadSummary() {
   $("summary").innerHTML = summary.html;  // escaped by the server (render.py)
   $("title").textContent = "run " + summary.title + (summary.live ? " (live)" : "");
   for (const name of ["status", "tool", "toolset", "failed_class"]) fillSelect($("f-" + name), summary.facets[name]);
+  return summary;
 }
 
 function filters() {
@@ -52,6 +53,7 @@ function filters() {
 }
 
 async function loadPage(start, pick) {
+  const shown = state.entries[state.selected];
   const page = await get("/api/entries", { ...filters(), start: Math.max(0, start), limit: PAGE });
   state.start = page.start;
   state.matched = page.matched;
@@ -73,6 +75,10 @@ async function loadPage(start, pick) {
   });
   if (pick === "first") selectRow(0);
   else if (pick === "last") selectRow(page.entries.length - 1);
+  else {  // the same page again: keep the row that is open
+    state.selected = shown ? page.entries.findIndex((entry) => entry.key === shown.key) : -1;
+    if (state.selected >= 0) body.children[state.selected].classList.add("selected");
+  }
 }
 
 function statusCell(entry) {
@@ -237,7 +243,9 @@ function start() {
   document.addEventListener("keydown", onKey);
   showTab("summary");
   loadSummary().then(() => loadPage(0, "first"));
-  setInterval(loadSummary, 10000);  // a run still going: the numbers and the facets follow it
+  setInterval(async () => {  // a run still going: the numbers, the facets and the list follow it
+    if ((await loadSummary()).live) loadPage(state.start, "keep");
+  }, 10000);
 }
 
 start();
