@@ -55,6 +55,8 @@ class Filters:
             tests.append(lambda e: e.partial == (self.partial == "yes"))
         if self.failed_class:
             tests.append(lambda e: e.kind == FAILED and e.reason == self.failed_class)
+        if len(tests) == 1:  # the usual case, without a generator per entry
+            return tests[0]
         return lambda e: all(test(e) for test in tests)
 
 

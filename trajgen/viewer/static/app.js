@@ -42,6 +42,7 @@ async function loadSummary() {
   const summary = await get("/api/summary");
   $("summary").innerHTML = summary.html;  // escaped by the server (render.py)
   $("title").textContent = "run " + summary.title + (summary.live ? " (live)" : "");
+  document.title = summary.title + " · trajectory viewer";
   for (const name of ["status", "tool", "toolset", "failed_class"]) fillSelect($("f-" + name), summary.facets[name]);
   return summary;
 }
@@ -73,6 +74,7 @@ async function loadPage(start, pick) {
     tr.addEventListener("click", () => selectRow(i));
     body.append(tr);
   });
+  if (!page.entries.length) $("detail").replaceChildren(el("p", "empty", "No prompt matches."));
   if (pick === "first") selectRow(0);
   else if (pick === "last") selectRow(page.entries.length - 1);
   else {  // the same page again: keep the row that is open
