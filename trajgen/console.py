@@ -79,11 +79,8 @@ def _rate(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
-def summary(stats: dict) -> None:
-    """The same numbers as statistics.json, as tables."""
-    overview = Table(title=f"Run {stats['run_name']}: {stats['model']}", show_header=False)
-    overview.add_column(style="bold")
-    overview.add_column(justify="right")
+def overview_rows(stats: dict) -> list[tuple[str, str]]:
+    """The run at a glance, from statistics.json: the terminal's summary and the viewer show these."""
     failed = stats["failed"]
     rows = [
         ("prompts in dataset", stats["total_prompts"]),
@@ -102,8 +99,16 @@ def summary(stats: dict) -> None:
         ("duration (this run / total)",
          f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
     ]
-    for name, value in rows:
-        overview.add_row(name, str(value))
+    return [(name, str(value)) for name, value in rows]
+
+
+def summary(stats: dict) -> None:
+    """The same numbers as statistics.json, as tables."""
+    overview = Table(title=f"Run {stats['run_name']}: {stats['model']}", show_header=False)
+    overview.add_column(style="bold")
+    overview.add_column(justify="right")
+    for name, value in overview_rows(stats):
+        overview.add_row(name, value)
     out.print(overview)
     tools = Table(title="Tool usage (kept rows)")
     for column in ("tool", "calls", "success", "failure", "success rate"):

@@ -55,6 +55,9 @@ def main(opts: RunOptions) -> int:
         return 0
     if opts.export:
         return run_export(opts)
+    if opts.view or opts.report:
+        from trajgen.viewer import command as viewer  # the viewer's modules only when asked for
+        return viewer.run(opts)
     if opts.model == local_model.NAME:
         return run_local(opts)
     return run(opts)

@@ -1,0 +1,66 @@
+"""One entry as the viewer shows it: the chat split into reasoning, text, tool calls and tool
+results (the export's own parsing of the Hermes envelope), with the record's metadata beside it.
+A turn that does not parse is shown as its raw text."""
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+
+from trajgen import dataset, export, store
+from trajgen.viewer.index import FAILED, ROW, Entry
+from trajgen.viewer.query import status
+
+ROW_FIELDS = ("completed", "partial", "api_calls", "toolsets_used")
+
+
+def _turn(turn) -> dict:
+    if not isinstance(turn, dict):
+        return {"role": "unknown", "text": str(turn)}
+    role, value = str(turn.get("from", "unknown")), turn.get("value")
+    try:
+        if role == "gpt":
+            reasoning, text = export.split_gpt_value(turn)
+            return {"role": role, "reasoning": reasoning, "text": text, "calls": turn.get("tool_calls") or []}
+        if role == "tool":
+            response = export.tool_response(turn)
+            return {"role": role, "name": response.get("name"), "call_id": response.get("tool_call_id"),
+                    "content": response.get("content")}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return {"role": role, "text": value if isinstance(value, str) else str(value)}
+
+
+def dataset_prompt(run_dir: Path, entry: Entry) -> str | None:
+    """A failed prompt's text (failures.jsonl holds none), from the run's dataset file when it is
+    still there and its line still hashes to the prompt's key."""
+    try:
+        path = store.read_json(run_dir / "manifest.json")["dataset"]["path"]
+        with open(path, "rb") as f:
+            raw = next(islice(f, entry.prompt_index, None), b"")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    parsed = dataset.parse_line(raw, entry.prompt_index or 0, str(path))
+    if isinstance(parsed, str) or not str(entry.key).startswith(dataset.content_hash(parsed).hex() + "-"):
+        return None
+    return parsed.prompt
+
+
+def view(entry: Entry, record: dict, keep_hallucinated: bool, run_dir: Path) -> dict:
+    """What /api/entry returns for one prompt."""
+    row = record if entry.kind == ROW else record.get("row")
+    row = row if isinstance(row, dict) else {}
+    if entry.kind == FAILED and entry.prompt_index is not None and (prompt := dataset_prompt(run_dir, entry)):
+        row = {"conversations": [{"from": "human", "value": prompt}]}
+    extra = {k: v for k, v in record.items() if k != "row"} if entry.kind != ROW else {}
+    tool_stats = row.get("tool_stats") if isinstance(row.get("tool_stats"), dict) else {}
+    return {
+        "key": entry.key, "status": status(entry, keep_hallucinated), "reason": entry.reason,
+        "prompt_index": entry.prompt_index,
+        "source": {"file": entry.file, "line": entry.line, "offset": entry.offset},
+        "record": extra,
+        "turns": [_turn(t) for t in row.get("conversations") or []],
+        "metadata": row.get("metadata"),
+        "row": {k: row[k] for k in ROW_FIELDS if k in row},
+        "tool_stats": {n: s for n, s in tool_stats.items() if isinstance(s, dict) and s.get("count")},
+        "tools": row.get("tools"),
+    }

@@ -1,0 +1,91 @@
+"""Search, filter and page the index's entries, in dataset order."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Callable
+
+from trajgen.viewer.index import DISCARDED, FAILED, Entry, RunIndex
+
+STATUSES = ("ok", "filtered", "discarded", "failed")
+PAGE_LIMIT = 500
+
+
+def status(entry: Entry, keep_hallucinated: bool) -> str:
+    if entry.kind == FAILED:
+        return "failed"
+    if entry.kind == DISCARDED:
+        return "discarded"
+    return "filtered" if entry.hallucinated and not keep_hallucinated else "ok"
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What the list shows; an empty field does not filter. yes/no for the two flags. `q` finds
+    prompts containing it, and the prompt whose dataset id, prompt_key or index it is."""
+
+    q: str = ""
+    status: str = ""
+    tool: str = ""
+    toolset: str = ""
+    hallucinated: str = ""
+    partial: str = ""
+    failed_class: str = ""
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> "Filters":
+        return cls(**{f.name: params.get(f.name, "").strip() for f in fields(cls)})
+
+    def predicate(self, keep_hallucinated: bool) -> Callable[[Entry], bool]:
+        """One test per filter that is set, so an unfiltered page costs nothing per entry."""
+        tests: list[Callable[[Entry], bool]] = []
+        if q := self.q.lower():
+            number = int(q) if q.isdigit() else None
+            tests.append(lambda e: q in e.search or e.prompt_index == number or q == e.key
+                         or q == (e.dataset_id or "").lower())
+        if self.status:
+            tests.append(lambda e: status(e, keep_hallucinated) == self.status)
+        if self.tool:
+            tests.append(lambda e: self.tool in e.tools)
+        if self.toolset:
+            tests.append(lambda e: self.toolset in e.toolsets_offered)
+        if self.hallucinated:
+            tests.append(lambda e: e.hallucinated == (self.hallucinated == "yes"))
+        if self.partial:
+            tests.append(lambda e: e.partial == (self.partial == "yes"))
+        if self.failed_class:
+            tests.append(lambda e: e.kind == FAILED and e.reason == self.failed_class)
+        if len(tests) == 1:  # the usual case, without a generator per entry
+            return tests[0]
+        return lambda e: all(test(e) for test in tests)
+
+
+class Pager:
+    """Pages of the matching entries. The match of the last filters is kept until the index changes,
+    so turning pages costs only the page."""
+
+    def __init__(self, index: RunIndex):
+        self.index = index
+        self._sorted: tuple[int, list[Entry]] = (-1, [])
+        self._matched: tuple[tuple, list[Entry]] = ((), [])
+
+    def ordered(self) -> list[Entry]:
+        if self._sorted[0] != self.index.version:
+            entries = sorted(self.index.entries, key=attrgetter("order"))
+            self._sorted = (self.index.version, entries)
+        return self._sorted[1]
+
+    def matching(self, filters: Filters, keep_hallucinated: bool) -> list[Entry]:
+        stamp = (self.index.version, filters, keep_hallucinated)
+        if self._matched[0] != stamp:
+            entries = self.ordered()
+            self._matched = (stamp, list(filter(filters.predicate(keep_hallucinated), entries))
+                             if filters != Filters() else entries)
+        return self._matched[1]
+
+    def page(self, filters: Filters, keep_hallucinated: bool, start: int, limit: int) -> tuple[int, list[Entry]]:
+        """(how many match, the entries from `start`)."""
+        matched = self.matching(filters, keep_hallucinated)
+        limit = max(1, min(limit, PAGE_LIMIT))
+        start = max(0, start)
+        return len(matched), matched[start:start + limit]

@@ -1,0 +1,107 @@
+"""The run at a glance: the statistics of statistics.json, counted live from the index by the
+merge's own Tally, plus the distributions only the rows hold (turns, tokens, toolsets).
+
+For a finished run the numbers are statistics.json's: the same files, the same precedence, the
+same code. While a run is still going (the files hold more than statistics.json says), the counts
+are live and the durations are those of the last checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from trajgen import merge, store
+from trajgen.viewer.index import DISCARDED, FAILED, ROW, RunIndex
+from trajgen.viewer.query import status
+
+HISTOGRAM_BINS = 20
+
+
+@dataclass(frozen=True)
+class Summary:
+    stats: dict  # in statistics.json's format
+    live: bool  # the files hold more than statistics.json: counts live, durations from the checkpoint
+    keep_hallucinated: bool  # hallucinated rows count as kept (the run used --keep_hallucinated)
+    turns: list[tuple[int, int, int]]  # histogram over kept rows: (low, high, rows)
+    tokens: list[tuple[int, int, int]]
+    toolsets: dict[str, tuple[int, int]]  # toolset -> (prompts that sampled it, prompts offered it)
+
+
+def _read(path: Path) -> dict:
+    try:
+        found = store.read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def keeps_hallucinated(run_dir: Path, index: RunIndex) -> bool:
+    """statistics.json reports no filtered row although rows called tools that were not offered."""
+    saved = _read(run_dir / "statistics.json")
+    return saved.get("filtered_hallucinated") == 0 and index.tallies.hallucinated.rows > 0
+
+
+def histogram(values: list[int], bins: int = HISTOGRAM_BINS) -> list[tuple[int, int, int]]:
+    """Integer bins of equal width from the smallest value to the largest: (low, high, count)."""
+    if not values:
+        return []
+    low, high = min(values), max(values)
+    width = max(1, math.ceil((high - low + 1) / bins))
+    counts = Counter((v - low) // width for v in values)
+    return [(low + i * width, low + (i + 1) * width - 1, counts[i]) for i in range((high - low) // width + 1)]
+
+
+def summarize(index: RunIndex) -> Summary:
+    run_dir = index.run_dir
+    saved = _read(run_dir / "statistics.json")
+    keep = keeps_hallucinated(run_dir, index)
+    t = index.tallies
+    entries = index.entries
+    merged = merge.Merged(
+        kept=_together(t.kept, t.hallucinated) if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
+        discarded=t.discarded,
+        discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
+        failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED),
+        batch_files=len(store.batch_files(run_dir)), duplicates_skipped=t.duplicates, torn=list(t.torn))
+    counted = merge.statistics(merged, {})
+    live = not saved or any(saved.get(k) != counted[k] for k in ("ok", "discarded", "failed"))
+    stats = merge.statistics(merged, _live_header(run_dir, counted) if live else
+                             {k: saved.get(k) for k in _HEADER})
+    kept = [e for e in entries if e.kind == ROW and status(e, keep) == "ok"]
+    sampled = Counter(name for e in entries for name in e.toolsets_sampled)
+    offered = Counter(name for e in entries for name in e.toolsets_offered)
+    return Summary(stats=stats, live=live, keep_hallucinated=keep,
+                   turns=histogram([e.turns for e in kept]), tokens=histogram([e.tokens for e in kept]),
+                   toolsets={name: (sampled[name], offered[name]) for name in sorted(sampled | offered)})
+
+
+def _together(a: merge.Tally, b: merge.Tally) -> merge.Tally:
+    """One Tally of both groups, tools included (Tally's `+` leaves tools out)."""
+    total = a + b
+    for group in (a, b):
+        for name, counts in group.tools.items():
+            entry = total.tools.setdefault(name, {"count": 0, "success": 0, "failure": 0})
+            for k in entry:
+                entry[k] += counts[k]
+    return total
+
+
+_HEADER = ("run_name", "model", "distribution", "total_prompts", "batch_size", "remaining_not_run",
+           "invalid_lines_skipped", "duration_seconds", "duration_seconds_total")
+
+
+def _live_header(run_dir: Path, counted: dict) -> dict:
+    manifest = _read(run_dir / "manifest.json")
+    dataset = manifest.get("dataset") if isinstance(manifest.get("dataset"), dict) else {}
+    done = counted["ok"] + counted["discarded"]["total"] + counted["failed"]["total"]
+    total = dataset.get("prompts") if isinstance(dataset.get("prompts"), int) else done
+    seconds = _read(run_dir / "checkpoint.json").get("duration_seconds_total") or 0.0
+    return {
+        "run_name": manifest.get("run_name", run_dir.name), "model": manifest.get("model", "unknown"),
+        "distribution": manifest.get("distribution"), "total_prompts": total,
+        "batch_size": manifest.get("batch_size"), "remaining_not_run": max(0, total - done),
+        "invalid_lines_skipped": dataset.get("invalid_lines_skipped", 0),
+        "duration_seconds": seconds, "duration_seconds_total": seconds,
+    }
