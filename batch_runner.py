@@ -23,7 +23,7 @@ from toolset_distributions import get_distribution
 from trajgen import console, dataset, dry_run, export, local_model, merge, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.errors import UsageError
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, new_root_dir
+from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, new_root_dir
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, WorkerConfig
@@ -104,6 +104,9 @@ def main(
     sandbox_network: bool = False,
     keep_sandboxes: bool = False,
     unsafe_local: bool = False,
+    sandbox_memory: int = 4096,
+    sandbox_disk: int = 1024,
+    docker_root: bool = False,
 ):
     """Run a tool-using agent over every prompt of a JSONL dataset and write trajectories.
 
@@ -164,6 +167,9 @@ def main(
         sandbox_network: Give sandboxes network access (off by default).
         keep_sandboxes: Keep per-prompt sandboxes after the run, for debugging.
         unsafe_local: Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).
+        sandbox_memory: MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).
+        sandbox_disk: MB of /tmp and of the work dir per sandbox (each a sized tmpfs).
+        docker_root: Run docker sandbox commands as root (for images that need it) instead of uid 65534.
     """
     if list_distributions:
         console.out.print(console.distributions_table())
@@ -287,7 +293,8 @@ def _validate(opts: dict) -> str:
     if "/" in opts["run_name"]:
         raise UsageError("--run_name must not contain '/'")
     for name, minimum in (("batch_size", 1), ("num_workers", 1), ("concurrency", 1), ("max_turns", 1),
-                          ("max_retries", 0), ("request_timeout", 0.001), ("command_timeout", 1)):
+                          ("max_retries", 0), ("request_timeout", 0.001), ("command_timeout", 1),
+                          ("sandbox_memory", 16), ("sandbox_disk", 1)):
         _check_number(name, opts[name], minimum)
     for name in ("max_samples", "prompt_timeout", "max_tokens", "max_total_tokens"):
         _check_number(name, opts[name], 1, allow_none=True)
@@ -398,8 +405,11 @@ def run(**opts) -> int:
     sandbox = SandboxConfig(
         backend=backend, command_timeout=float(opts["command_timeout"]), docker_image=opts["docker_image"],
         network=bool(opts["sandbox_network"]), keep=bool(opts["keep_sandboxes"]), unsafe_local=bool(opts["unsafe_local"]),
-        root_dir=new_root_dir(), label=uuid.uuid4().hex[:12],
+        root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], memory_mb=int(opts["sandbox_memory"]),
+        disk_mb=int(opts["sandbox_disk"]), docker_root=bool(opts["docker_root"]),
     )
+    for line in limit_notices(sandbox):
+        console.notice(line)
     try:
         missing_images: dict[str, str] = {}
         if backend == "docker" and plan.images:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.local import OUTPUT_CAP, LocalSandbox
+from trajgen.sandbox.local import LocalSandbox
+from trajgen.sandbox.process import OUTPUT_CAP
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -34,13 +35,14 @@ def survivors(marker: str) -> str:
     return subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
 
 
-def test_command_runs_as_nobody_in_workspace_with_a_clean_env(config, monkeypatch):
+def test_command_runs_as_its_own_uid_in_workspace_with_a_clean_env(config, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     sandbox = open_sandbox(config, "p1", None, None)
     result = run(sandbox, "id -u; pwd; env; cat /etc/shadow")
     assert result.error is None
     uid, cwd = result.output.splitlines()[:2]
-    assert (uid, cwd) == ("65534", "/workspace")
+    assert (int(uid), cwd) == (sandbox.uid, "/workspace")
+    assert sandbox.uid != 0 and sandbox.uid != open_sandbox(config, "p2", None, None).uid
     assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
     assert "HOME=/workspace" in result.output
     assert "Permission denied" in result.output or "No such file" in result.output
@@ -78,7 +80,7 @@ def test_prompts_cannot_see_each_others_files(config):
     assert listing.output == ""
     assert "TOKEN-1234" not in peek.output and peek.exit_code != 0
     with pytest.raises(SandboxError):
-        asyncio.run(second.read_file(f"{first.host_dir}/secret.txt"))
+        asyncio.run(read_file(second, f"{first.host_dir}/secret.txt", 1 << 20))
 
 
 async def _gather(*coroutines):
@@ -179,14 +181,14 @@ def test_resource_limits_apply(tmp_path):
 def test_files_map_to_the_work_dir_and_escapes_are_refused(config):
     sandbox = open_sandbox(config, "p1", None, None)
     asyncio.run(sandbox.write_file("a/b/new.txt", b"made by the host"))
-    assert asyncio.run(sandbox.read_file("/workspace/a/b/new.txt")) == b"made by the host"
+    assert asyncio.run(read_file(sandbox, "/workspace/a/b/new.txt", 1 << 20)) == b"made by the host"
     # a host-written file belongs to the command's user: commands can change it
     links = "ln -s /etc/passwd link && ln -s / root && ln -s new.txt a/b/alias"
     assert run(sandbox, f"echo appended >> a/b/new.txt && {links}").exit_code == 0
-    assert asyncio.run(sandbox.read_file("a/b/alias")) == b"made by the host" + b"appended\n"
+    assert asyncio.run(read_file(sandbox, "a/b/alias", 1 << 20)) == b"made by the host" + b"appended\n"
     for path in ("/etc/passwd", "../x", "a/../../x", "/workspace/../etc/passwd", "link", "root/etc/passwd", ""):
         with pytest.raises(SandboxError):
-            asyncio.run(sandbox.read_file(path))
+            asyncio.run(read_file(sandbox, path, 1 << 20))
         with pytest.raises(SandboxError):
             asyncio.run(sandbox.write_file(path, b"x"))
     assert open("/etc/passwd", "rb").read() != b"x"
@@ -196,7 +198,7 @@ def test_reading_a_fifo_is_refused_instead_of_hanging(config):
     sandbox = open_sandbox(config, "p1", None, None)
     run(sandbox, "mkfifo pipe")
     with pytest.raises(SandboxError, match="not a regular file"):
-        asyncio.run(sandbox.read_file("pipe"))
+        asyncio.run(read_file(sandbox, "pipe", 1 << 20))
 
 
 def test_work_dir_can_be_mounted_at_the_rows_cwd(config):
