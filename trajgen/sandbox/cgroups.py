@@ -100,19 +100,17 @@ def remove_run(label: str) -> None:
     for base in _bases()[0]:
         run = base / f"trajgen-{label}"
         if run.is_dir():
-            _remove(tuple(p for p in run.iterdir() if p.is_dir()))
-            _rmdir(run)
+            _remove((*(p for p in run.iterdir() if p.is_dir()), run))
 
 
 def _remove(dirs: tuple[Path, ...]) -> None:
+    """Kill each group's processes until it can be removed (dying processes keep it busy a moment)."""
     deadline = time.monotonic() + KILL_DEADLINE
     for d in dirs:
-        while time.monotonic() < deadline:
+        while not _rmdir(d) and time.monotonic() < deadline:
             try:
                 pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
             except FileNotFoundError:
-                break
-            if not pids:
                 break
             for pid in pids:
                 try:
@@ -120,11 +118,14 @@ def _remove(dirs: tuple[Path, ...]) -> None:
                 except ProcessLookupError:
                     pass
             time.sleep(0.01)
-        _rmdir(d)
 
 
-def _rmdir(d: Path) -> None:
+def _rmdir(d: Path) -> bool:
+    """True once `d` is gone."""
     try:
         d.rmdir()
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
         pass
+    except OSError:
+        return False
+    return True
