@@ -17,7 +17,7 @@ from typing import Iterator
 from trajgen.sandbox import SandboxError
 
 MAX_LINKS = 40
-CHUNK = 1 << 16
+CHUNK = 1 << 20
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

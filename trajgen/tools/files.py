@@ -54,31 +54,53 @@ class _Window:
     line_bytes: int = 0
 
     def feed(self, chunk: bytes) -> None:
-        start = 0
-        while (end := chunk.find(b"\n", start)) != -1:
-            self._take(chunk[start:end])
+        while chunk:
+            if not self._showing():  # lines outside the window are only counted, at C speed
+                chunk = self._skip(chunk)
+                continue
+            end = chunk.find(b"\n")
+            if end == -1:
+                self._take(chunk)
+                return
+            self._take(chunk[:end])
             self._finish()
-            start = end + 1
-        self._take(chunk[start:])
+            chunk = chunk[end + 1:]
+
+    def _showing(self) -> bool:
+        return self.offset <= self.lines + 1 < self.offset + self.limit and not self.full
+
+    def _skip(self, chunk: bytes) -> bytes:
+        """Count the lines of `chunk` up to the window's first line; the rest of the chunk is returned."""
+        before = self.offset - 1 - self.lines
+        if before <= 0 or chunk.count(b"\n") < before:
+            newlines = chunk.count(b"\n")
+            self.lines += newlines
+            self.line_bytes = len(chunk) - chunk.rfind(b"\n") - 1 if newlines else self.line_bytes + len(chunk)
+            return b""
+        end = -1
+        for _ in range(before):
+            end = chunk.find(b"\n", end + 1)
+        self.lines += before
+        self.line_bytes = 0
+        return chunk[end + 1:]
 
     def _take(self, piece: bytes) -> None:
         self.line_bytes += len(piece)
-        wanted = self.offset <= self.lines + 1 < self.offset + self.limit and not self.full
-        if wanted and len(self.line) <= MAX_LINE_CHARS * 4:  # up to 4 bytes a character
+        if len(self.line) <= MAX_LINE_CHARS * 4:  # up to 4 bytes a character
             self.line += piece[: MAX_LINE_CHARS * 4 + 1 - len(self.line)]
 
     def _finish(self) -> None:
-        self.lines += 1
-        if self.offset <= self.lines < self.offset + self.limit and not self.full:
+        if self._showing():
             line = self.line.decode("utf-8", "replace")
             if len(line) > MAX_LINE_CHARS or self.line_bytes > len(self.line):
                 line = line[:MAX_LINE_CHARS] + f" [... line cut, {self.line_bytes} bytes]"
-            text = f"{self.lines:6d}|{line}\n"
+            text = f"{self.lines + 1:6d}|{line}\n"
             if self.size + len(text) > MAX_READ_CHARS:
                 self.full = True
             else:
                 self.shown.append(text)
                 self.size += len(text)
+        self.lines += 1
         self.line.clear()
         self.line_bytes = 0
 
