@@ -218,7 +218,7 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
     assert done.returncode == 0, done.stderr
     rows = _rows(cli, "run")
     slow, fine = _outputs(rows["slow"])[0], _outputs(rows["fine"])[0]
-    assert slow["success"] is False and "took longer than 15 s" in slow["error"]
+    assert slow["success"] is False and "took longer than 10 s" in slow["error"]
     assert fine["success"] is True and "All good here." in fine["results"][0]["content"]
 
 
@@ -232,12 +232,27 @@ def test_write_file_never_follows_a_link_swapped_in_by_the_sandbox(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
     config = SandboxConfig(root_dir=new_root_dir(), command_timeout=60)
-    flipper = f"for i in $(seq 3000); do mkdir d 2>/dev/null; rm -rf d; ln -sfn {victim} d; rm -f d; done; echo flipped"
+    flipper = f"""import os, shutil, time
+end = time.time() + 3
+while time.time() < end:
+    shutil.rmtree("d", ignore_errors=True)
+    try:
+        os.symlink({str(victim)!r}, "d")
+        os.unlink("d")
+    except OSError:
+        pass
+    try:
+        os.mkdir("d")
+    except OSError:
+        pass
+print("flipped")
+"""
     try:
         sandbox = open_sandbox(config, "race")
 
         async def race():
-            flipping = asyncio.create_task(sandbox.run(flipper, 60))
+            await sandbox.write_file("flip.py", flipper.encode())
+            flipping = asyncio.create_task(sandbox.run("python3 flip.py", 60))
             refused = written = 0
             while not flipping.done():
                 try:

@@ -35,7 +35,7 @@ MAX_URLS = 5
 MAX_PAGE_BYTES = 2 * 1024 * 1024
 MAX_PAGE_CHARS = 40_000
 MAX_REDIRECTS = 5
-HTML_TIMEOUT = 15.0
+HTML_TIMEOUT = 10.0
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 USER_AGENT = "Mozilla/5.0 (compatible; trajgen-web-extract/0.1)"
 TEXT_TYPES = ("application/json", "application/xml", "application/xhtml+xml", "application/javascript")
