@@ -26,6 +26,8 @@ from trajgen.sandbox import SandboxConfig
 from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.roots import new_root_dir
 
+pytest_plugins = ["tests.dockerd"]
+
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="per-prompt uids, cgroups and sized work dirs need root")
@@ -220,6 +222,35 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
     slow, fine = _outputs(rows["slow"])[0], _outputs(rows["fine"])[0]
     assert slow["success"] is False and "took longer than 10 s" in slow["error"]
     assert fine["success"] is True and "All good here." in fine["results"][0]["content"]
+
+
+# --- docker: what one terminal call leaves behind, and what a command may do ---
+
+
+def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scripted_server, docker_engine,
+                                                                       busybox_image):
+    server = scripted_server({"prompts": {
+        "leave a process": [call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; "
+                                                     "echo started"),
+                            call("terminal", command="ps -o args | grep -c '[s]leep 4'; id -u; grep Cap /proc/self/status; "
+                                                     "chown 0 . ; echo chown=$?; touch /etc/x; echo etc=$?"),
+                            think()],
+        "neighbour": [call("terminal", command="echo fine > f && cat f"), think()],
+    }})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
+                                            {"prompt": "neighbour", "image": busybox_image}])
+    done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
+    assert done.returncode == 0, done.stderr
+    rows = _rows(cli, "run")
+    started, probe = _outputs(rows["leave a process"])
+    assert started["output"] == "started\n"
+    lines = probe["output"].splitlines()
+    assert lines[:2] == ["0", "65534"], probe  # no sleep survived its call; commands run as uid 65534
+    caps = dict(line.split(":\t") for line in lines if line.startswith("Cap"))
+    assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
+    assert int(caps["CapBnd"], 16) & (1 << 21) == 0  # CAP_SYS_ADMIN is not even in the bounding set
+    assert "chown=1" in lines and "etc=1" in lines
+    assert _outputs(rows["neighbour"])[0]["output"] == "fine\n"
 
 
 # --- the write race: a link swapped in while write_file works ---
