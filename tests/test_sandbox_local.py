@@ -5,6 +5,8 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +17,7 @@ from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP
+from trajgen.sandbox.roots import sweep_stale_roots
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -245,3 +248,45 @@ def test_unsafe_local_still_scrubs_env_and_kills_its_group(config, monkeypatch):
     assert timed_out.exit_code is None and "timed out" in timed_out.error
     time.sleep(0.2)
     assert survivors("sleep 424[67]") == ""
+
+
+def _runner_holding_a_root(*prefix: str) -> tuple[subprocess.Popen, str]:
+    """A process that makes a sandbox root (holding its lock) and waits; returns it and the root."""
+    code = "from trajgen.sandbox.roots import new_root_dir; print(new_root_dir(), flush=True); import time; time.sleep(600)"
+    process = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    return process, process.stdout.readline().strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second pid namespace (unshare --pid) needs root")
+def test_the_sweep_removes_only_roots_whose_runner_is_dead_in_any_pid_namespace():
+    """A runner in another pid namespace sharing /tmp (a container, Ray) keeps its live root; a killed one's goes."""
+    alive, alive_root = _runner_holding_a_root("unshare", "--pid", "--fork", "--kill-child")
+    dead, dead_root = _runner_holding_a_root()
+    try:
+        dead.kill()
+        dead.wait()
+        assert os.path.isdir(alive_root) and os.path.isdir(dead_root)
+        sweep_stale_roots()
+        assert os.path.isdir(alive_root)
+        assert not os.path.exists(dead_root) and not os.path.exists(dead_root + ".lock")
+    finally:
+        alive.kill()
+        alive.wait()
+    deadline = time.monotonic() + 30  # the runner inside dies a moment after unshare (--kill-child)
+    while os.path.exists(alive_root) and time.monotonic() < deadline:
+        sweep_stale_roots()
+        time.sleep(0.05)
+    assert not os.path.exists(alive_root)
+
+
+def test_a_bare_config_has_no_side_effects(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None
+    try:
+        SandboxConfig()
+        assert list(tmp_path.iterdir()) == []
+        with pytest.raises(SandboxError, match="root_dir"):
+            open_sandbox(SandboxConfig(), "p1")
+    finally:
+        tempfile.tempdir = None
