@@ -37,9 +37,20 @@ MAX_SNAPSHOT_CHARS = 30_000
 MAX_ERROR_CHARS = 500
 NAVIGATION_TIMEOUT_MS = 30_000
 ACTION_TIMEOUT_MS = 10_000
+# Chromium keeps only the last --disable-features, so this one repeats the features Playwright turns off
+# for traffic (optimization hints, network time, AI mode, search preconnects, media router) and its
+# behaviour fixes, and adds the services that call out on their own: autofill (any page with a form),
+# translation, safe browsing, sign-in, certificate transparency and extension updates.
+DISABLED_FEATURES = ["AvoidUnnecessaryBeforeUnloadCheckSync", "DestroyProfileOnBrowserClose", "HttpsUpgrades",
+                     "HttpsFirstBalancedModeAutoEnable", "LensOverlay", "MediaRouter", "PaintHolding",
+                     "ThirdPartyStoragePartitioning", "AvoidCorsURLLoaderRestartOnRedirect", "OptimizationHints",
+                     "NetworkTimeServiceQuerying", "AimEnabled", "PreconnectToSearch",
+                     "AutofillServerCommunication", "Translate", "SafeBrowsingEnableRealTimeUrlLookups",
+                     "CertificateTransparencyComponentUpdater", "InterestFeedContentSuggestions"]
 CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-pings", "--disable-domain-reliability",
                  "--disable-client-side-phishing-detection", "--safebrowsing-disable-auto-update",
-                 "--disable-crash-reporter",
+                 "--disable-crash-reporter", "--disable-sync", "--disable-extensions", "--disable-component-update",
+                 "--disable-background-networking", "--disable-features=" + ",".join(DISABLED_FEATURES),
                  "--force-webrtc-ip-handling-policy=disable_non_proxied_udp"]  # WebRTC's UDP would go around the guard
 CONTEXT_KEY, REFS_KEY, GUARD_KEY = "browser_context", "browser_refs", "browser_guard"  # in ctx.state
 _SNAPSHOT_REF = re.compile(r"\[ref=([\w-]+)\]")  # Playwright's element refs (e12, f3e12...)
