@@ -52,6 +52,9 @@ CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-pings", "--disable-dom
                  "--disable-crash-reporter", "--disable-sync", "--disable-extensions", "--disable-component-update",
                  "--disable-background-networking", "--disable-features=" + ",".join(DISABLED_FEATURES),
                  "--force-webrtc-ip-handling-policy=disable_non_proxied_udp"]  # WebRTC's UDP would go around the guard
+# With the guard on, pages reach the network only through it (names go to the proxy unresolved), so
+# the browser itself needs no lookups: a service that starts on its own cannot resolve its server.
+NO_OWN_LOOKUPS = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
 CONTEXT_KEY, REFS_KEY, GUARD_KEY = "browser_context", "browser_refs", "browser_guard"  # in ctx.state
 _SNAPSHOT_REF = re.compile(r"\[ref=([\w-]+)\]")  # Playwright's element refs (e12, f3e12...)
 _REF_ARGUMENT = re.compile(r"^\[?(\d+)\]?$")
@@ -104,7 +107,8 @@ async def _browser(settings: ToolSettings) -> Any:
             shared.browser = await shared.playwright.chromium.launch(
                 executable_path=executable(settings), headless=True,
                 chromium_sandbox=os.geteuid() != 0,  # Chromium's sandbox refuses to run as root
-                args=[*CHROMIUM_ARGS, *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
+                args=[*CHROMIUM_ARGS, *([] if settings.allow_private_urls else [NO_OWN_LOOKUPS]),
+                      *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
             )
     return shared.browser
 
