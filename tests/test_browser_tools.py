@@ -318,3 +318,41 @@ def test_a_form_page_sends_nothing_outside_the_proxy(monkeypatch):
     finally:
         site.shutdown()
     assert not [line for line in asked if "autofill" in line], asked
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = [int(c) for c in open(f"/proc/{parent}/task/{task}/children").read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run unprivileged, Chromium is the runner's own user anyway")
+def test_chromium_runs_unprivileged_with_its_own_sandbox(local_site):
+    """Run as root, the runner starts Chromium as a uid of the sandbox range, without --no-sandbox."""
+    seen: list[tuple[int, str]] = []
+
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        contexts.append(ctx)
+        assert (await browser_navigate(ctx, url=local_site.url + "/"))["success"] is True
+        for pid in _descendants(os.getpid()):
+            try:
+                args = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            if "chromium" in args and "setpriv" not in args and "chromium-as-user" not in args:
+                seen.append((uid, args))
+
+    in_browser(steps)
+    assert any("--type=renderer" in args for _, args in seen), seen
+    assert all(uid != 0 for uid, _ in seen), [(u, a[:80]) for u, a in seen if u == 0]
+    assert not any("--no-sandbox" in args for _, args in seen)

@@ -13,7 +13,8 @@ subresources, link clicks, form submits, WebSockets) and resolves each host once
 is off and Chromium connects as it is told.
 
 Playwright's own browser download is not used: the binary is the system's chromium (Debian's
-package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). Playwright launches it
+package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). A root runner starts it
+as an unprivileged uid (_User), so Chromium's own sandbox stays on for untrusted pages. Playwright launches it
 with a fresh temporary profile and with background networking, component updates, sync and
 first-run turned off; CHROMIUM_ARGS closes the remaining paths to outside services, and
 $TRAJGEN_CHROMIUM_ARGS adds switches of your own (a proxy, say).
@@ -26,10 +27,13 @@ import os
 import re
 import shlex
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from trajgen import locks
+from trajgen.sandbox import roots
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Guard, check_url
 
@@ -72,6 +76,33 @@ class _Shared:
     lock: asyncio.Lock
     playwright: Any = None
     browser: Any = None
+    user: _User | None = None
+
+
+class _User:
+    """Who Chromium runs as when the runner is root: a uid of the sandbox range, held while the
+    worker lives, with a home of its own; `launcher` drops to it (setpriv) and hands it
+    Playwright's profile, so Chromium's own sandbox can stay on."""
+
+    def __init__(self, chromium: str) -> None:
+        self.uid, self._lock = roots.take_uid()
+        self.home = tempfile.mkdtemp(prefix="trajgen-chromium-")
+        os.chown(self.home, self.uid, self.uid)
+        self.launcher = os.path.join(self.home, "chromium-as-user")
+        with open(self.launcher, "w") as f:
+            f.write(LAUNCHER.format(uid=self.uid, home=shlex.quote(self.home), chromium=shlex.quote(chromium)))
+        os.chmod(self.launcher, 0o755)
+
+    def close(self) -> None:
+        shutil.rmtree(self.home, ignore_errors=True)
+        locks.release(self._lock)
+
+
+LAUNCHER = """#!/bin/sh
+for arg; do case "$arg" in --user-data-dir=*) chown -R {uid}:{uid} "${{arg#--user-data-dir=}}";; esac; done
+export HOME={home}
+exec setpriv --reuid={uid} --regid={uid} --clear-groups --inh-caps=-all --bounding-set=-all -- {chromium} "$@"
+"""
 
 
 _shared: _Shared | None = None
@@ -104,10 +135,11 @@ async def _browser(settings: ToolSettings) -> Any:
 
             if shared.playwright is None:
                 shared.playwright = await async_playwright().start()
+            if os.geteuid() == 0 and shared.user is None:  # Chromium's sandbox refuses to run as root
+                shared.user = _User(executable(settings))
             shared.browser = await shared.playwright.chromium.launch(
-                executable_path=executable(settings), headless=True,
-                chromium_sandbox=os.geteuid() != 0,  # Chromium's sandbox refuses to run as root
-                args=[*CHROMIUM_ARGS, *([] if settings.allow_private_urls else [NO_OWN_LOOKUPS]),
+                executable_path=shared.user.launcher if shared.user else executable(settings), headless=True,
+                chromium_sandbox=True, args=[*CHROMIUM_ARGS, *([] if settings.allow_private_urls else [NO_OWN_LOOKUPS]),
                       *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
             )
     return shared.browser
@@ -123,6 +155,8 @@ async def shutdown() -> None:
         await shared.browser.close()
     if shared.playwright is not None:
         await shared.playwright.stop()
+    if shared.user is not None:
+        shared.user.close()
 
 
 def _guard(ctx: ToolContext) -> Guard | None:
