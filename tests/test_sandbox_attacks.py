@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import CLI, call, read_jsonl, think, write_jsonl
 from tests.scripted_server import start_server
+from trajgen import locks
 from trajgen.sandbox import SandboxConfig
 from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.roots import new_root_dir
@@ -174,8 +175,9 @@ def test_vision_refuses_private_urls_and_sends_nothing(local_attacks):
 def test_every_prompt_of_the_attack_run_finished(local_attacks):
     cli, _, _, first, _ = local_attacks
     assert set(_rows(cli, "run")) == set(LOCAL_SCRIPT["prompts"]), first[1]
-    leftovers = [p for p in Path("/tmp").glob("trajgen-sandboxes-*") if p.is_dir() and str(cli.cwd) in p.name]
-    assert leftovers == []
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    work_dirs = [m for m in mounts if "/trajgen-sandboxes-" in m]  # each a sized work dir of a live sandbox
+    assert not [m for m in work_dirs if not locks.is_held(Path(str(Path(m).parent) + ".lock"))]
 
 
 # --- web_extract: a page that would hold the converter for minutes ---

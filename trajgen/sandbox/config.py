@@ -7,6 +7,7 @@ at exit and after a worker crash, so nothing a crashed worker left behind surviv
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Callable
 
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups
@@ -35,11 +36,11 @@ def limit_notices(config: SandboxConfig) -> list[str]:
     if config.backend != "local" or bwrap_problem():
         return []
     notices = []
+    if os.geteuid() != 0:
+        notices.append("the runner is not root: sandboxes share its uid and their work dirs have no size limit")
     if reason := cgroups.problem():
         notices.append(f"sandboxes get no cgroup ({reason}): memory and processes are limited per process "
                        "and per uid only, and /tmp pages are not counted")
-    if reason and "not root" in reason:
-        notices.append("sandboxes share the runner's uid and their work dirs have no size limit (the runner is not root)")
     return notices
 
 
