@@ -13,7 +13,7 @@ from typing import Callable
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups
 from trajgen.sandbox.docker import check_image, open_docker, remove_containers
 from trajgen.sandbox.local import bwrap_problem, open_local
-from trajgen.sandbox.roots import new_root_dir, remove_root
+from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
 __all__ = ["SandboxConfig", "open_sandbox", "cleanup", "bwrap_problem", "check_images", "new_root_dir", "limit_notices"]
 
@@ -54,6 +54,7 @@ def cleanup(config: SandboxConfig) -> None:
         return
     if config.root_dir:
         remove_root(config.root_dir)
+        release_root(config.root_dir)
     if config.backend == "docker":
         remove_containers(config.label)
 

@@ -20,6 +20,9 @@ from trajgen import locks
 ROOT_PREFIX = "trajgen-sandboxes-"
 UID_BASE = 1_900_000_000  # above any real account; below the 2**31 some tools choke on
 UID_COUNT = 65_536
+# one lock file per uid ever taken, kept (unlinking one could hand its uid out twice); machine-wide,
+# whatever TMPDIR each runner has
+UID_LOCKS = Path("/run/trajgen-uids")
 MNT_DETACH = 2
 MS_NOSUID, MS_NODEV = 2, 4
 _held: dict[str, int] = {}  # root dir -> the fd of its lock, held until the process ends
@@ -34,6 +37,14 @@ def new_root_dir() -> str:
     root = lock.removesuffix(".lock")
     os.mkdir(root, 0o700)
     return root
+
+
+def release_root(root: str) -> None:
+    """Give up the root's lock (and its file) once the root is gone, if this process holds it."""
+    fd = _held.pop(root, None)
+    if fd is not None:
+        Path(root + ".lock").unlink(missing_ok=True)
+        locks.release(fd)
 
 
 def sweep_stale_roots() -> None:
@@ -70,11 +81,10 @@ def unmount(path: str) -> None:
 
 def take_uid() -> tuple[int, int]:
     """(a uid no live sandbox on this machine has, the fd holding it): give the fd to `release`."""
-    folder = Path(tempfile.gettempdir()) / "trajgen-uids"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
     for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: few lock files ever exist
         try:
-            return uid, locks.acquire(folder / str(uid))
+            return uid, locks.acquire(UID_LOCKS / str(uid))
         except locks.LockHeld:
             continue
     raise OSError("every uid of the sandbox range is in use")
