@@ -27,7 +27,6 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -86,7 +85,7 @@ class _User:
 
     def __init__(self, chromium: str) -> None:
         self.uid, self._lock = roots.take_uid()
-        self.home = tempfile.mkdtemp(prefix="trajgen-chromium-")
+        self.home = roots.new_root_dir()  # held by lock: swept by a later run if this worker is killed
         os.chown(self.home, self.uid, self.uid)
         self.launcher = os.path.join(self.home, "chromium-as-user")
         with open(self.launcher, "w") as f:
@@ -94,7 +93,8 @@ class _User:
         os.chmod(self.launcher, 0o755)
 
     def close(self) -> None:
-        shutil.rmtree(self.home, ignore_errors=True)
+        roots.remove_root(self.home)
+        roots.release_root(self.home)
         locks.release(self._lock)
 
 
