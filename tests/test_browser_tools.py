@@ -262,3 +262,97 @@ def test_availability_follows_playwright_and_chromium():
     assert reason.startswith("no chromium binary")
     unavailable = model_tools.unavailable_tools(ToolSettings(browser_executable="/nonexistent/chromium"))
     assert model_tools.unavailable_toolsets(unavailable)["browser"] == reason
+
+
+ADDRESS_FORM = (b"<html><head><title>Order</title></head><body><form action='/done' method='get'>"
+                b"<label>Name <input name='name' autocomplete='name'></label>"
+                b"<label>Email <input name='email' type='email' autocomplete='email'></label>"
+                b"<label>Street <input name='street' autocomplete='street-address'></label>"
+                b"<label>City <input name='city' autocomplete='address-level2'></label>"
+                b"<button type='submit'>Order</button></form></body></html>")
+
+
+def test_a_form_page_sends_nothing_outside_the_proxy(monkeypatch):
+    """Chromium on a page with a form asks an autofill service about it unless told not to. Everything the
+    browser itself sends goes to a logging proxy here (the page, on loopback, bypasses it): the log must
+    name no outside service."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(ADDRESS_FORM)))
+            self.end_headers()
+            self.wfile.write(ADDRESS_FORM)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    site = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    asked: list[str] = []
+
+    async def steps(contexts: list[ToolContext]) -> None:
+        async def log_and_close(reader, writer) -> None:
+            asked.append((await reader.readline()).decode(errors="replace").strip())
+            writer.close()
+
+        proxy = await asyncio.start_server(log_and_close, "127.0.0.1", 0)
+        monkeypatch.setenv("TRAJGEN_CHROMIUM_ARGS", LOOPBACK_ONLY.replace(
+            "http://127.0.0.1:9", f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"))
+        ctx = context()
+        contexts.append(ctx)
+        url = f"http://127.0.0.1:{site.server_port}/"
+        assert (await browser_navigate(ctx, url=url))["title"] == "Order"
+        form = (await browser_snapshot(ctx))["snapshot"]
+        for name, text in (("Name", "Ada Lovelace"), ("Email", "ada@example.org"), ("Street", "12 St James's Square")):
+            assert (await browser_type(ctx, ref=ref(form, f'textbox "{name}"'), text=text))["success"] is True
+        assert (await browser_click(ctx, ref=ref(form, 'button "Order"')))["success"] is True
+        assert (await browser_navigate(ctx, url=url))["success"] is True
+        proxy.close()
+
+    try:
+        in_browser(steps)
+    finally:
+        site.shutdown()
+    assert not [line for line in asked if "autofill" in line], asked
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = [int(c) for c in open(f"/proc/{parent}/task/{task}/children").read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run unprivileged, Chromium is the runner's own user anyway")
+def test_chromium_runs_unprivileged_with_its_own_sandbox(local_site):
+    """Run as root, the runner starts Chromium as a uid of the sandbox range, without --no-sandbox."""
+    seen: list[tuple[int, str]] = []
+
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        contexts.append(ctx)
+        assert (await browser_navigate(ctx, url=local_site.url + "/"))["success"] is True
+        for pid in _descendants(os.getpid()):
+            try:
+                args = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            if "chromium" in args and "setpriv" not in args and "chromium-as-user" not in args:
+                seen.append((uid, args))
+
+    in_browser(steps)
+    assert any("--type=renderer" in args for _, args in seen), seen
+    assert all(uid != 0 for uid, _ in seen), [(u, a[:80]) for u, a in seen if u == 0]
+    assert not any("--no-sandbox" in args for _, args in seen)

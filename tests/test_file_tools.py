@@ -70,7 +70,7 @@ def test_read_file_caps_its_content(ctx):
     wide = call(read_file, ctx, path="wide.txt", limit=3000)
     assert len(wide["content"]) <= 100_000 and wide["truncated"] and wide["next_offset"] < 3000
     one = call(read_file, ctx, path="one-line.txt")
-    assert "line cut, 50000 chars" in one["content"]
+    assert "line cut, 50000 bytes" in one["content"]
 
 
 def test_write_file_creates_directories_and_reports_bytes(ctx):

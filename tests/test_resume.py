@@ -4,9 +4,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import tempfile
 import time
-from pathlib import Path
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 
@@ -33,8 +31,12 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     server = scripted_server({"default": [{**call("terminal", command="echo hi"), "delay": 0.15}, {**think(), "delay": 0.15}]})
     names = [f"prompt {i}" for i in range(40)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    tmp = cli.cwd / "tmp"  # the runners' own TMPDIR: their sandbox roots, and nobody else's, are there
+    tmp.mkdir()
+    cli.env["TMPDIR"] = str(tmp)
     process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
     _wait_for_rows(cli.run_dir(), 10)
+    assert list(tmp.glob("trajgen-sandboxes-*"))
     kill_group(process)  # the parent and its workers, as a machine crash would
     landed = _landed_prompts(cli.run_dir())
     assert 10 <= len(landed) < 40
@@ -48,7 +50,7 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     old_batches = {int(p.stem.split("_")[1]) for p in cli.run_dir().glob("batch_*.jsonl")}
     assert len(old_batches) > 1
     # the killed runner could not clean up its sandboxes; the next run removed them
-    assert not list(Path(tempfile.gettempdir()).glob(f"trajgen-sandboxes-{process.pid}-*"))
+    assert not list(tmp.glob("trajgen-sandboxes-*"))
 
 
 def test_duplicates_stay_duplicated_across_resume(cli, scripted_server):

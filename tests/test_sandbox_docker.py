@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
 
 pytest_plugins = ["tests.dockerd"]
@@ -82,9 +82,9 @@ def test_files_go_through_the_container(config, busybox_image):
     async def session():
         await sandbox.write_file("sub/dir/x.txt", b"line\n")
         shown = await sandbox.run("cat /workspace/sub/dir/x.txt; echo more >> sub/dir/x.txt", 30)
-        content = await sandbox.read_file("/workspace/sub/dir/x.txt")
+        content = await read_file(sandbox, "/workspace/sub/dir/x.txt", 1 << 20)
         with pytest.raises(SandboxError, match="No such file"):
-            await sandbox.read_file("absent.txt")
+            await read_file(sandbox, "absent.txt", 1 << 20)
         await sandbox.close()
         return shown, content
 

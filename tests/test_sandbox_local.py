@@ -5,15 +5,19 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.local import OUTPUT_CAP, LocalSandbox
+from trajgen.sandbox.local import LocalSandbox
+from trajgen.sandbox.process import OUTPUT_CAP
+from trajgen.sandbox.roots import sweep_stale_roots
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -34,13 +38,14 @@ def survivors(marker: str) -> str:
     return subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout.strip()
 
 
-def test_command_runs_as_nobody_in_workspace_with_a_clean_env(config, monkeypatch):
+def test_command_runs_as_its_own_uid_in_workspace_with_a_clean_env(config, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     sandbox = open_sandbox(config, "p1", None, None)
     result = run(sandbox, "id -u; pwd; env; cat /etc/shadow")
     assert result.error is None
     uid, cwd = result.output.splitlines()[:2]
-    assert (uid, cwd) == ("65534", "/workspace")
+    assert (int(uid), cwd) == (sandbox.uid, "/workspace")
+    assert sandbox.uid != 0 and sandbox.uid != open_sandbox(config, "p2", None, None).uid
     assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
     assert "HOME=/workspace" in result.output
     assert "Permission denied" in result.output or "No such file" in result.output
@@ -78,7 +83,7 @@ def test_prompts_cannot_see_each_others_files(config):
     assert listing.output == ""
     assert "TOKEN-1234" not in peek.output and peek.exit_code != 0
     with pytest.raises(SandboxError):
-        asyncio.run(second.read_file(f"{first.host_dir}/secret.txt"))
+        asyncio.run(read_file(second, f"{first.host_dir}/secret.txt", 1 << 20))
 
 
 async def _gather(*coroutines):
@@ -179,14 +184,14 @@ def test_resource_limits_apply(tmp_path):
 def test_files_map_to_the_work_dir_and_escapes_are_refused(config):
     sandbox = open_sandbox(config, "p1", None, None)
     asyncio.run(sandbox.write_file("a/b/new.txt", b"made by the host"))
-    assert asyncio.run(sandbox.read_file("/workspace/a/b/new.txt")) == b"made by the host"
+    assert asyncio.run(read_file(sandbox, "/workspace/a/b/new.txt", 1 << 20)) == b"made by the host"
     # a host-written file belongs to the command's user: commands can change it
     links = "ln -s /etc/passwd link && ln -s / root && ln -s new.txt a/b/alias"
     assert run(sandbox, f"echo appended >> a/b/new.txt && {links}").exit_code == 0
-    assert asyncio.run(sandbox.read_file("a/b/alias")) == b"made by the host" + b"appended\n"
+    assert asyncio.run(read_file(sandbox, "a/b/alias", 1 << 20)) == b"made by the host" + b"appended\n"
     for path in ("/etc/passwd", "../x", "a/../../x", "/workspace/../etc/passwd", "link", "root/etc/passwd", ""):
         with pytest.raises(SandboxError):
-            asyncio.run(sandbox.read_file(path))
+            asyncio.run(read_file(sandbox, path, 1 << 20))
         with pytest.raises(SandboxError):
             asyncio.run(sandbox.write_file(path, b"x"))
     assert open("/etc/passwd", "rb").read() != b"x"
@@ -196,7 +201,7 @@ def test_reading_a_fifo_is_refused_instead_of_hanging(config):
     sandbox = open_sandbox(config, "p1", None, None)
     run(sandbox, "mkfifo pipe")
     with pytest.raises(SandboxError, match="not a regular file"):
-        asyncio.run(sandbox.read_file("pipe"))
+        asyncio.run(read_file(sandbox, "pipe", 1 << 20))
 
 
 def test_work_dir_can_be_mounted_at_the_rows_cwd(config):
@@ -243,3 +248,45 @@ def test_unsafe_local_still_scrubs_env_and_kills_its_group(config, monkeypatch):
     assert timed_out.exit_code is None and "timed out" in timed_out.error
     time.sleep(0.2)
     assert survivors("sleep 424[67]") == ""
+
+
+def _runner_holding_a_root(*prefix: str) -> tuple[subprocess.Popen, str]:
+    """A process that makes a sandbox root (holding its lock) and waits; returns it and the root."""
+    code = "from trajgen.sandbox.roots import new_root_dir; print(new_root_dir(), flush=True); import time; time.sleep(600)"
+    process = subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    return process, process.stdout.readline().strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second pid namespace (unshare --pid) needs root")
+def test_the_sweep_removes_only_roots_whose_runner_is_dead_in_any_pid_namespace():
+    """A runner in another pid namespace sharing /tmp (a container, Ray) keeps its live root; a killed one's goes."""
+    alive, alive_root = _runner_holding_a_root("unshare", "--pid", "--fork", "--kill-child")
+    dead, dead_root = _runner_holding_a_root()
+    try:
+        dead.kill()
+        dead.wait()
+        assert os.path.isdir(alive_root) and os.path.isdir(dead_root)
+        sweep_stale_roots()
+        assert os.path.isdir(alive_root)
+        assert not os.path.exists(dead_root) and not os.path.exists(dead_root + ".lock")
+    finally:
+        alive.kill()
+        alive.wait()
+    deadline = time.monotonic() + 30  # the runner inside dies a moment after unshare (--kill-child)
+    while os.path.exists(alive_root) and time.monotonic() < deadline:
+        sweep_stale_roots()
+        time.sleep(0.05)
+    assert not os.path.exists(alive_root)
+
+
+def test_a_bare_config_has_no_side_effects(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None
+    try:
+        SandboxConfig()
+        assert list(tmp_path.iterdir()) == []
+        with pytest.raises(SandboxError, match="root_dir"):
+            open_sandbox(SandboxConfig(), "p1")
+    finally:
+        tempfile.tempdir = None

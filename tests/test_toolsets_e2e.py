@@ -168,7 +168,8 @@ def test_vision_and_image_flags_reach_the_tools(cli, scripted_server):
     seed = seed_sampling(cli.cwd / "prompts.jsonl", "creative", {"vision", "image_gen"})
 
     done = cli.run(*cli.args(server, distribution="creative", seed=seed, vision_model="vision-model",
-                             vision_base_url=vision.url, vision_api_key="vision-key", image_model="image-model"))
+                             vision_base_url=vision.url, vision_api_key="vision-key", image_model="image-model",
+                             allow_private_urls=True))  # the image URL is on 127.0.0.1
 
     assert done.returncode == 0, done.stderr
     (row,) = read_jsonl(cli.run_dir() / "trajectories.jsonl")

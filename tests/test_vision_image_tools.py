@@ -50,13 +50,24 @@ def image_part(request: dict) -> dict:
 
 def test_vision_sends_an_image_url_part_to_the_runs_model(scripted_server, local_site):
     server = scripted_server({"match": [{"contains": QUESTION, "replies": [{"content": "A tiny cat."}]}]})
-    ctx = context(base_url=server.url, api_key="run-key", model="run-model")
+    ctx = context(base_url=server.url, api_key="run-key", model="run-model", allow_private_urls=True)
     result = run(vision_analyze(ctx, image_url=local_site.url + "/cat.png", question=QUESTION))
     assert result == {"success": True, "error": None, "analysis": "A tiny cat."}
     (request,) = server.requests()
     assert request["body"]["model"] == "run-model" and request["auth"] == "Bearer run-key"
     assert image_part(request) == {"url": local_site.url + "/cat.png"}
     assert local_site.requests == []  # the URL goes to the model as it is; the runner does not fetch it
+
+
+def test_vision_refuses_private_urls_without_the_flag(scripted_server):
+    """A vision server that fetches image URLs must not become a proxy into the user's network."""
+    server = scripted_server({"default": [{"content": "should not be asked"}]})
+    ctx = context(base_url=server.url, api_key="run-key", model="run-model")
+    for url in ("http://127.0.0.1/x.png", "http://169.254.169.254/latest/meta-data/", "https://10.0.0.1/a.png",
+                "http://[::1]/a.png", "http://localhost/a.png"):
+        result = run(vision_analyze(ctx, image_url=url, question=QUESTION))
+        assert result["success"] is False and "refused" in result["error"], url
+    assert server.requests() == []
 
 
 def test_vision_sends_a_sandbox_file_as_a_data_url(scripted_server, sandbox):
@@ -91,7 +102,7 @@ def test_vision_model_and_endpoint_can_be_set_apart(scripted_server):
 
 def test_vision_reports_model_errors_and_bad_arguments(scripted_server):
     server = scripted_server({"default": [{"status": 400, "error": "image too large"}]})
-    ctx = context(base_url=server.url, api_key="k", model="m")
+    ctx = context(base_url=server.url, api_key="k", model="m", allow_private_urls=True)
     failed = run(vision_analyze(ctx, image_url="https://127.0.0.1/x.png", question=QUESTION))
     assert failed["success"] is False and "image too large" in failed["error"]
     for bad in ({"image_url": "", "question": QUESTION}, {"image_url": 3, "question": QUESTION},

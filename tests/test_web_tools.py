@@ -254,6 +254,31 @@ def test_web_extract_checks_every_redirect_hop_before_requesting_it():
                                                               "/page")]
 
 
+def test_web_extract_connects_to_the_address_it_checked(monkeypatch):
+    """DNS rebinding: the name is resolved once, checked, and the request goes to that very address.
+
+    The lookup answers a public address for the check; were the name resolved again it could be
+    private. MockTransport records where the request really goes (nothing leaves the process)."""
+    requested: list[tuple[str, str]] = []
+
+    async def lookup(host: str):
+        assert host == "rebind.example"
+        return ["93.184.215.14"], None
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        requested.append((str(request.url), request.headers["host"]))
+        return httpx.Response(200, text="a public page", headers={"Content-Type": "text/plain"})
+
+    async def fetch() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await web._fetch(client, "http://rebind.example:8080/page", allow_private=False)
+
+    monkeypatch.setattr(web, "check_host", lookup)
+    page = run(fetch())
+    assert page["error"] is None and page["final_url"] == "http://rebind.example:8080/page"
+    assert requested == [("http://93.184.215.14:8080/page", "rebind.example:8080")]
+
+
 def test_web_extract_reads_text_types_only_and_caps_size(local_site):
     result = run(web_extract(context(), urls=[local_site.url + "/cat.png", local_site.url + "/big.txt",
                                               local_site.url + "/data.json", local_site.url + "/missing"]))

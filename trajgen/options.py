@@ -98,6 +98,9 @@ class RunOptions:
     sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).")
     keep_sandboxes: bool = flag(False, "Keep per-prompt sandboxes after the run, for debugging.")
     unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).")
+    sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).", minimum=16)
+    sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1)
+    docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of uid 65534.")
 
     @property
     def backend(self) -> str:
@@ -124,7 +127,8 @@ class RunOptions:
         return SandboxConfig(
             backend=self.backend, command_timeout=float(self.command_timeout), docker_image=self.docker_image,
             network=self.sandbox_network, keep=self.keep_sandboxes, unsafe_local=self.unsafe_local,
-            root_dir=new_root_dir(), label=uuid.uuid4().hex[:12])
+            root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], memory_mb=self.sandbox_memory,
+            disk_mb=self.sandbox_disk, docker_root=self.docker_root)
 
     def request_extras(self) -> tuple[dict, str | None, list[str]]:
         """Provider routing and reasoning controls: (extra_body, reasoning_effort parameter, what will be sent)."""

@@ -19,7 +19,7 @@ from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup
+from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
@@ -68,6 +68,8 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     started = time.monotonic()
     prepared = prepare(opts)
     sandbox = opts.sandbox_config()
+    for line in limit_notices(sandbox):
+        console.notice(line)
     try:
         missing_images = _missing_images(prepared.plan, sandbox)
         if opts.dry_run:

@@ -1,18 +1,23 @@
 """Per-prompt sandboxes: where the model's commands and file edits happen.
 
-A backend builds one sandbox per prompt, lazily, at the prompt's first tool call; the
-conversation closes it when the prompt ends. Every backend returns plain data.
+This module holds the data and the protocol; `config` opens sandboxes by backend name
+(`local`: bubblewrap, `docker`), `process` runs and caps commands. A backend builds one
+sandbox per prompt, lazily, at the prompt's first tool call; the conversation closes it when
+the prompt ends. Every backend returns plain data, and nothing here has side effects until a
+sandbox is opened: a bare `SandboxConfig()` creates no directory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
 
 
 @dataclass
 class ExecResult:
     output: str  # stdout and stderr interleaved, already capped (head and tail kept)
-    exit_code: int | None  # None when the command did not finish (timeout, sandbox fault)
+    exit_code: int | None  # None when the command did not finish (timeout, limit, sandbox fault)
     error: str | None = None  # why the command did not finish; None for a normal exit
 
 
@@ -20,13 +25,47 @@ class SandboxError(Exception):
     """The sandbox itself failed (could not start, image missing, path refused)."""
 
 
+@dataclass(frozen=True)
+class SandboxConfig:
+    """The run's sandbox settings: built once by the parent, pickled to every worker."""
+
+    backend: str = "local"  # a key of config.BACKENDS
+    command_timeout: float = 180
+    docker_image: str = "python:3.11-slim"  # used when a row names no image
+    docker_root: bool = False  # run container commands as root (images that need it) instead of uid 65534
+    network: bool = False
+    keep: bool = False  # leave work dirs and containers behind for debugging
+    unsafe_local: bool = False  # without bubblewrap, run commands unisolated instead of failing
+    root_dir: str = ""  # the run's sandbox root (roots.new_root_dir); required to open a local sandbox
+    label: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # session id on every container and cgroup
+    cpu_seconds: int = 600  # per process
+    memory_mb: int = 4096  # the whole sandbox, /tmp and the work dir included (per process where no cgroup)
+    disk_mb: int = 1024  # size of the sandbox's /tmp and of its work dir, each
+    max_processes: int = 512  # per sandbox
+    file_size_mb: int = 1024  # largest file a command may write
+    cpus: float = 1.0  # docker only
+
+
 class Sandbox(Protocol):
     cwd: str  # the working directory as the model sees it
 
     async def run(self, command: str, timeout: float) -> ExecResult: ...
 
-    async def read_file(self, path: str) -> bytes: ...
+    def read_chunks(self, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes, chunk by chunk, so a caller holds only what it keeps."""
+        ...
 
     async def write_file(self, path: str, data: bytes) -> None: ...
 
     async def close(self) -> None: ...
+
+
+async def read_file(sandbox: Sandbox, path: str, max_bytes: int) -> bytes:
+    """The whole file, refused (SandboxError) past `max_bytes`: no file can fill a worker's memory."""
+    data = bytearray()
+    async with aclosing(sandbox.read_chunks(path)) as chunks:
+        async for chunk in chunks:
+            data += chunk
+            if len(data) > max_bytes:
+                raise SandboxError(f"{path} is larger than {max_bytes} bytes; too large for this tool")
+    return bytes(data)

@@ -1,28 +1,33 @@
 """The `docker` backend: one container per prompt, driven through the `docker` CLI.
 
-The container is the boundary: no network unless asked, CPU, memory and process limits, and
-a session label so `cleanup` can find every container a run (or a crashed worker) left.
-PID 1 is a tiny shell loop that reaps orphans and survives `kill -9 -1`, which is how a timed
-out command is ended together with everything it started, setsid or not.
+The container is the boundary: no network unless asked; CPU, memory and process limits; every
+capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
+65534 unless `docker_root`; a session label so `cleanup` can find every container a run (or a
+crashed worker) left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
+and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together with
+everything it started, setsid or not: nothing a call starts outlives it.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
-from typing import TYPE_CHECKING
+from typing import AsyncIterator
 
-from trajgen.sandbox import ExecResult, SandboxError
-from trajgen.sandbox.local import run_process
-
-if TYPE_CHECKING:
-    from trajgen.sandbox.config import SandboxConfig
+from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
+from trajgen.sandbox.process import run_process
 
 PULL_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # docker run / rm / inspect
 REAPER = "while :; do sleep 2147483647 & wait; done"
 PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+# the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
+ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
+READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
+USER = "65534:65534"
+SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
+CHUNK = 1 << 16
 
 
 def docker_env() -> dict[str, str]:
@@ -74,8 +79,11 @@ class DockerSandbox:
         c = self.config
         code, out, err = await _docker(
             "run", "-d", "--pull", "never", *([] if c.network else ["--network", "none"]),
-            "--cpus", f"{c.cpus:g}", "--memory", f"{c.memory_mb}m", "--pids-limit", str(c.max_processes),
-            "--ulimit", f"cpu={c.cpu_seconds}", "--ulimit", f"fsize={c.file_size_mb << 20}",
+            "--cpus", f"{c.cpus:g}", "--memory", f"{c.memory_mb}m", "--memory-swap", f"{c.memory_mb}m",
+            "--pids-limit", str(c.max_processes), "--ulimit", f"cpu={c.cpu_seconds}",
+            "--ulimit", f"fsize={c.file_size_mb << 20}", "--cap-drop", "ALL",
+            *(f"--cap-add={cap}" for cap in SHELL_CAPS), "--security-opt", "no-new-privileges",
+            "--tmpfs", f"/tmp:size={c.disk_mb}m,mode=1777",
             "--label", f"trajgen.session={c.label}", "--label", f"trajgen.key={self.key}",
             "-e", "LANG=C.UTF-8", "-e", "TERM=dumb", "-e", "PYTHONUNBUFFERED=1",
             "-w", self.cwd, "--entrypoint", "sh", self.image, "-c", REAPER,
@@ -83,27 +91,54 @@ class DockerSandbox:
         )
         if code != 0:
             raise SandboxError(f"cannot start a container from image {self.image}: {_last_line(err)}")
-        return out.decode().strip()
+        cid = out.decode().strip()
+        if not c.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
+            code, _, err = await _docker("exec", "-u", "0", cid, "chown", USER, self.cwd, timeout=CONTROL_TIMEOUT)
+            if code != 0:
+                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {_last_line(err)}")
+        return cid
+
+    @property
+    def _user(self) -> list[str]:
+        return ["-u", "0" if self.config.docker_root else USER]
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
 
         async def kill_all() -> None:  # killing the docker CLI leaves the command running inside
-            await _docker("exec", "-u", "0", cid, "sh", "-c", "kill -9 -1", timeout=CONTROL_TIMEOUT)
+            await _docker("exec", *self._user, cid, "sh", "-c", "kill -9 -1", timeout=CONTROL_TIMEOUT)
 
-        argv = ["docker", "exec", cid, "sh", "-c", PREFER_BASH, "sh", command]
+        argv = ["docker", "exec", *self._user, cid, "sh", "-c", ONE_CALL, "sh", command]
         return await run_process(argv, timeout, docker_env(), on_timeout=kill_all)
 
-    async def read_file(self, path: str) -> bytes:
-        code, out, err = await _docker("exec", await self._container(), "cat", "--", path, timeout=self.config.command_timeout)
+    async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
+        """`cat` in the container, read a chunk at a time: the file never sits whole in the worker."""
+        cid = await self._container()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "docker", "exec", *self._user, cid, "sh", "-c", READ, "sh", path, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=docker_env(),
+            )
+        except OSError as e:
+            raise SandboxError(f"cannot run the docker CLI: {e.strerror}") from e
+        try:
+            async with asyncio.timeout(self.config.command_timeout):
+                while chunk := await proc.stdout.read(CHUNK):
+                    yield chunk
+                code = await proc.wait()
+        except TimeoutError:
+            raise SandboxError(f"cannot read {path}: no end within {self.config.command_timeout:g} s") from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         if code != 0:
-            raise SandboxError(f"cannot read {path}: {_last_line(err)}")
-        return out
+            raise SandboxError(f"cannot read {path}: {_last_line((await proc.stderr.read()).decode('utf-8', 'replace'))}")
 
     async def write_file(self, path: str, data: bytes) -> None:
         cid = await self._container()
         code, _, err = await _docker(
-            "exec", "-i", cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
+            "exec", "-i", *self._user, cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
         )
         if code != 0:
             raise SandboxError(f"cannot write {path}: {_last_line(err)}")
@@ -112,6 +147,10 @@ class DockerSandbox:
         if self._id is not None and not self.config.keep:
             await _docker("rm", "-f", self._id, timeout=CONTROL_TIMEOUT)
             self._id = None
+
+
+def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> DockerSandbox:
+    return DockerSandbox(config, key, image or config.docker_image, cwd or "/workspace")
 
 
 async def check_image(image: str) -> str | None:

@@ -1,10 +1,14 @@
 """The `local` backend: every command runs in a fresh bubblewrap sandbox over the prompt's work dir.
 
-Only system dirs are visible (read-only); the work dir is the one writable place; the command
-runs as nobody in its own PID, IPC, UTS and network namespaces with a scrubbed environment and
-rlimits. When a PID namespace's first process dies the kernel kills everything in it, so
-killing bwrap on a timeout also ends children that called setsid. File tools work host-side on
-the work dir, refusing any path that leads out of it.
+Only system dirs are visible (read-only); the work dir is the one writable place, with a sized
+private /tmp; the command runs in its own PID, IPC, UTS, cgroup and network namespaces with a
+scrubbed environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbox has
+its own uid (roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir
+that is a tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of
+the work dir is not in any command line the sandbox can see. When a PID namespace's first
+process dies the kernel kills everything in it, so killing bwrap on a timeout also ends children
+that called setsid. File tools work host-side on the work dir (hostfiles.py), never following a
+link out of it.
 """
 from __future__ import annotations
 
@@ -13,107 +17,21 @@ import functools
 import os
 import posixpath
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import AsyncIterator
 
-from trajgen.sandbox import ExecResult, SandboxError
+from trajgen import locks
+from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp
+from trajgen.sandbox.hostfiles import WorkDir
+from trajgen.sandbox.process import run_process
 
-if TYPE_CHECKING:
-    from trajgen.sandbox.config import SandboxConfig
-
-OUTPUT_CAP = 50_000  # bytes of command output kept: the first and the last half
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
-
-
-class _Capture:
-    """Keeps the head and tail of a stream as it arrives, so a flood of output costs no memory."""
-
-    def __init__(self) -> None:
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        room = OUTPUT_CAP // 2 - len(self.head)
-        self.head += chunk[:room] if room > 0 else b""
-        self.tail += chunk[max(room, 0):]
-        del self.tail[: -(OUTPUT_CAP // 2)]
-
-    def text(self) -> str:
-        cut = self.total - len(self.head) - len(self.tail)
-        if cut == 0:
-            return (self.head + self.tail).decode("utf-8", "replace")
-        head, tail = self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace")
-        return f"{head}\n[... {cut} bytes of output cut ...]\n{tail}"
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-async def run_process(
-    argv: list[str],
-    timeout: float,
-    env: dict[str, str],
-    cwd: str | None = None,
-    on_timeout: Callable[[], Awaitable[None]] | None = None,
-) -> ExecResult:
-    """Run argv in a new session with stdout+stderr merged and capped; on timeout kill its group.
-
-    The group is killed after a normal exit (ending background jobs the command left; bwrap
-    and docker end them anyway) and when the caller is cancelled too; `on_timeout` kills what
-    lives beyond our reach.
-    The output pipe is our own, not asyncio's: asyncio's `wait()` would also wait for every
-    process holding the pipe, such as a background job that escaped with setsid.
-    """
-    read_fd, write_fd = os.pipe()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-            env=env, cwd=cwd, start_new_session=True,
-        )
-    except OSError as e:
-        os.close(read_fd)
-        raise SandboxError(f"cannot start {argv[0]}: {e.strerror}") from e
-    finally:
-        os.close(write_fd)
-    stream = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", 0)
-    )
-    capture = _Capture()
-
-    async def pump() -> None:
-        while chunk := await stream.read(65536):
-            capture.add(chunk)
-
-    reader = asyncio.create_task(pump())
-    error = None
-    try:
-        await asyncio.wait_for(proc.wait(), timeout)
-    except TimeoutError:
-        error = f"timed out after {timeout:g} s; the command and its children were killed"
-    finally:  # a cancelled caller (prompt deadline, shutdown) must not leave the command running
-        _kill_group(proc.pid)
-        await proc.wait()
-    if error and on_timeout:
-        await on_timeout()
-    try:  # a process that escaped the group may still hold the pipe: stop waiting for it
-        await asyncio.wait_for(reader, 2)
-    except TimeoutError:
-        pass
-    transport.close()
-    return ExecResult(capture.text(), None if error else proc.returncode, error)
+# moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
+ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
 
 def sandbox_env(home: str) -> dict[str, str]:
@@ -144,7 +62,7 @@ def _system_binds() -> list[str]:
             args += ["--ro-bind", d, d]
     prefix = sys.base_prefix
     if not _under(prefix, SYSTEM_DIRS):
-        parents = []  # e.g. /root is 0700 on the host: nobody must be able to pass through
+        parents = []  # e.g. /root is 0700 on the host: the sandbox's uid must be able to pass through
         parent = posixpath.dirname(prefix)
         while parent != "/":
             parents.insert(0, parent)
@@ -155,28 +73,39 @@ def _system_binds() -> list[str]:
     return args
 
 
-def _identity() -> tuple[list[str], list[str]]:
-    """(bwrap flags, command prefix) that make the command run as nobody.
+def _identity(uid: int) -> tuple[list[str], list[str]]:
+    """(bwrap options, command prefix) that make the command run as `uid`.
 
-    As root, a user namespace would map nobody onto host root, which owns /etc/shadow and can
-    read it; so bwrap stays in the host user namespace and setpriv really becomes nobody.
-    Unprivileged, a user namespace maps our own uid to nobody.
+    As root, a user namespace would map the uid onto host root, which owns /etc/shadow and can
+    read it; so bwrap stays in the host user namespace and setpriv really becomes the uid, with no
+    capabilities and no way back through a setuid binary. Unprivileged, a user namespace maps our
+    own uid to nobody.
     """
     if os.geteuid() == 0:
-        setpriv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
         return [], [*setpriv, "--bounding-set=-all", "--inh-caps=-all", "--"]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
 
 
-def bwrap_argv(host_dir: str, cwd: str, network: bool, command: str) -> list[str]:
-    identity, as_nobody = _identity()
-    return [
-        "bwrap", *_system_binds(), "--perms", "1777", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc",
-        "--bind", host_dir, cwd, "--chdir", cwd,
+def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int) -> tuple[list[str], list[str]]:
+    """(bubblewrap's options, the command prefix that drops to `uid`)."""
+    identity, as_uid = _identity(uid)
+    options = [
+        *_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+        "--dev", "/dev", "--proc", "/proc", "--bind", host_dir, cwd, "--chdir", cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
-        "--die-with-parent", "--new-session", "--", *as_nobody, "bash", "-c", command,
+        "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd),
     ]
+    return options, as_uid
+
+
+def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: str) -> tuple[list[str], list[int]]:
+    """The bwrap command line (its options in a memfd: `--args FD`) and the fds it must inherit."""
+    seccomp_fd = seccomp.memfd(seccomp.program(), "trajgen-seccomp")
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd)
+    args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
+    return ["bwrap", "--args", str(args_fd), "--", *as_uid, "bash", "-c", command], [seccomp_fd, args_fd]
 
 
 @functools.cache
@@ -184,12 +113,20 @@ def bwrap_problem() -> str | None:
     """Why bubblewrap cannot run a sandbox here (one line), or None; probed once per process."""
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not installed"
+    try:
+        seccomp.program()
+    except OSError as e:
+        return str(e)
     with tempfile.TemporaryDirectory() as tmp:
-        argv = bwrap_argv(tmp, DEFAULT_CWD, False, "true")
+        argv, fds = bwrap_argv(tmp, DEFAULT_CWD, False, 1, NOBODY, "true")
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD))
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD),
+                                  pass_fds=fds)
         except subprocess.TimeoutExpired:
             return "bwrap did not finish a trivial command within 30 s"
+        finally:
+            for fd in fds:
+                os.close(fd)
     if proc.returncode == 0:
         return None
     lines = proc.stderr.strip().splitlines()
@@ -199,64 +136,61 @@ def bwrap_problem() -> str | None:
 class LocalSandbox:
     """A prompt's host work dir, shown to commands at `cwd`; isolated by bwrap unless allowed not to be."""
 
-    def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool) -> None:
+    def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool, uid: int = NOBODY,
+                 uid_lock: int | None = None, group: cgroups.Group | None = None) -> None:
         self.config = config
         self.host_dir = host_dir
         self.cwd = cwd
         self.isolated = isolated
-        self._owner = NOBODY if isolated and os.geteuid() == 0 else None  # who runs the commands
-
-    def _own(self, path: str | Path) -> None:
-        """Hand a host-created file to the command's uid, so commands can change it."""
-        if self._owner is not None:
-            os.chown(path, self._owner, self._owner)
+        self.uid = uid
+        self._uid_lock, self._group = uid_lock, group
+        self.files = WorkDir(host_dir, cwd, uid if isolated and os.geteuid() == 0 else None)
 
     async def run(self, command: str, timeout: float) -> ExecResult:
+        fds: list[int] = []
         if self.isolated:
-            argv = bwrap_argv(self.host_dir, self.cwd, self.config.network, command)
+            argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, command)
         else:
             argv = ["bash", "-c", command]
-        env = sandbox_env(self.cwd)
-        return await run_process([*limit_argv(self.config), *argv], timeout, env, cwd=self.host_dir)
-
-    def check_path(self, path: str) -> Path:
-        """The host path of a sandbox path (relative to cwd, or absolute under it); SandboxError if it leaves the work dir."""
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise SandboxError("path must be a non-empty string")
-        full = posixpath.normpath(posixpath.join(self.cwd, path))
-        if not _under(full, (self.cwd,)):
-            raise SandboxError(f"path {path!r} is outside the work dir {self.cwd}; only files under it are reachable")
-        host = os.path.realpath(os.path.join(self.host_dir, posixpath.relpath(full, self.cwd)))
-        if not _under(host, (self.host_dir,)):
-            raise SandboxError(f"path {path!r} passes through a symlink that leads outside the work dir {self.cwd}")
-        return Path(host)
-
-    async def read_file(self, path: str) -> bytes:
-        target = self.check_path(path)
-        if target.exists() and not target.is_file():
-            raise SandboxError(f"cannot read {path}: not a regular file")
+        if self._group:
+            argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
+        ooms = self._group.oom_kills() if self._group else 0
         try:
-            return target.read_bytes()
-        except OSError as e:
-            raise SandboxError(f"cannot read {path}: {e.strerror}") from e
+            result = await run_process([*limit_argv(self.config), *argv], timeout, sandbox_env(self.cwd),
+                                       cwd=self.host_dir, pass_fds=tuple(fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if self._group and self._group.oom_kills() > ooms and result.error is None:
+            result.error = (f"the sandbox hit its memory limit ({self.config.memory_mb} MB, its /tmp and work dir "
+                            "included); the kernel killed a process of the command")
+        return result
+
+    def check_path(self, path: str) -> None:
+        """SandboxError if `path` (relative to cwd, or absolute under it) leads out of the work dir."""
+        self.files.check(path)
+
+    async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
+        chunks = self.files.read_chunks(path)
+        while chunk := await asyncio.to_thread(next, chunks, b""):
+            yield chunk
 
     async def write_file(self, path: str, data: bytes) -> None:
-        target = self.check_path(path)
-        if target.exists() and not target.is_file():
-            raise SandboxError(f"cannot write {path}: not a regular file")
-        try:
-            for parent in reversed(target.parents):
-                if not parent.exists():
-                    parent.mkdir()
-                    self._own(parent)
-            target.write_bytes(data)
-            self._own(target)
-        except OSError as e:
-            raise SandboxError(f"cannot write {path}: {e.strerror}") from e
+        await asyncio.to_thread(self.files.write, path, data)
 
     async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        if self._group:
+            self._group.remove()
+            self._group = None
         if not self.config.keep:
+            roots.unmount(self.host_dir)
             shutil.rmtree(self.host_dir, ignore_errors=True)
+        if self._uid_lock is not None:
+            locks.release(self._uid_lock)
+            self._uid_lock = None
 
 
 def _mount_point(cwd: str | None) -> str:
@@ -269,21 +203,36 @@ def _mount_point(cwd: str | None) -> str:
     return point
 
 
-def open_local(config: SandboxConfig, key: str, cwd: str | None) -> LocalSandbox:
-    """Create the prompt's work dir (fresh: a retried prompt starts clean) and its sandbox."""
+def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> LocalSandbox:
+    """Create the prompt's work dir (fresh: a retried prompt starts clean), its identity and cgroup."""
     problem = bwrap_problem()
     if problem and not config.unsafe_local:
         raise SandboxError(
             f"the local sandbox needs bubblewrap, which cannot run here: {problem} "
             "(use the docker backend, or unsafe_local to run commands without isolation)"
         )
+    if not config.root_dir:
+        raise SandboxError("no sandbox root: SandboxConfig.root_dir must be set (roots.new_root_dir)")
     if not key or "/" in key or key in (".", ".."):
         raise SandboxError(f"sandbox key {key!r} is not a plain file name")
     point = _mount_point(cwd)
-    os.makedirs(config.root_dir, mode=0o700, exist_ok=True)
+    isolated = problem is None
+    uid, uid_lock = roots.take_uid() if isolated and os.geteuid() == 0 else (NOBODY, None)
     host_dir = os.path.join(os.path.realpath(config.root_dir), key)
-    shutil.rmtree(host_dir, ignore_errors=True)
-    os.mkdir(host_dir)
-    sandbox = LocalSandbox(config, host_dir, host_dir if problem else point, isolated=problem is None)
-    sandbox._own(host_dir)
-    return sandbox
+    group = None
+    try:
+        os.makedirs(config.root_dir, mode=0o700, exist_ok=True)
+        roots.unmount(host_dir)
+        shutil.rmtree(host_dir, ignore_errors=True)
+        os.mkdir(host_dir, 0o755)
+        if isolated and not config.keep:  # a kept work dir must outlive the run as a plain directory
+            roots.mount_tmpfs(host_dir, config.disk_mb, uid)
+        elif uid_lock is not None:
+            os.chown(host_dir, uid, uid)
+        if isolated and cgroups.problem() is None:
+            group = cgroups.create(config.label, key, config.memory_mb << 20, config.max_processes)
+    except OSError as e:
+        if uid_lock is not None:
+            locks.release(uid_lock)
+        raise SandboxError(f"cannot prepare the sandbox of {key}: {e.strerror or e}") from e
+    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group)

@@ -13,7 +13,8 @@ subresources, link clicks, form submits, WebSockets) and resolves each host once
 is off and Chromium connects as it is told.
 
 Playwright's own browser download is not used: the binary is the system's chromium (Debian's
-package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). Playwright launches it
+package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). A root runner starts it
+as an unprivileged uid (_User), so Chromium's own sandbox stays on for untrusted pages. Playwright launches it
 with a fresh temporary profile and with background networking, component updates, sync and
 first-run turned off; CHROMIUM_ARGS closes the remaining paths to outside services, and
 $TRAJGEN_CHROMIUM_ARGS adds switches of your own (a proxy, say).
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from trajgen import locks
+from trajgen.sandbox import roots
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Guard, check_url
 
@@ -37,10 +40,24 @@ MAX_SNAPSHOT_CHARS = 30_000
 MAX_ERROR_CHARS = 500
 NAVIGATION_TIMEOUT_MS = 30_000
 ACTION_TIMEOUT_MS = 10_000
+# Chromium keeps only the last --disable-features, so this one repeats the features Playwright turns off
+# for traffic (optimization hints, network time, AI mode, search preconnects, media router) and its
+# behaviour fixes, and adds the services that call out on their own: autofill (any page with a form),
+# translation, safe browsing, sign-in, certificate transparency and extension updates.
+DISABLED_FEATURES = ["AvoidUnnecessaryBeforeUnloadCheckSync", "DestroyProfileOnBrowserClose", "HttpsUpgrades",
+                     "HttpsFirstBalancedModeAutoEnable", "LensOverlay", "MediaRouter", "PaintHolding",
+                     "ThirdPartyStoragePartitioning", "AvoidCorsURLLoaderRestartOnRedirect", "OptimizationHints",
+                     "NetworkTimeServiceQuerying", "AimEnabled", "PreconnectToSearch",
+                     "AutofillServerCommunication", "Translate", "SafeBrowsingEnableRealTimeUrlLookups",
+                     "CertificateTransparencyComponentUpdater", "InterestFeedContentSuggestions"]
 CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-pings", "--disable-domain-reliability",
                  "--disable-client-side-phishing-detection", "--safebrowsing-disable-auto-update",
-                 "--disable-crash-reporter",
+                 "--disable-crash-reporter", "--disable-sync", "--disable-extensions", "--disable-component-update",
+                 "--disable-background-networking", "--disable-features=" + ",".join(DISABLED_FEATURES),
                  "--force-webrtc-ip-handling-policy=disable_non_proxied_udp"]  # WebRTC's UDP would go around the guard
+# With the guard on, pages reach the network only through it (names go to the proxy unresolved), so
+# the browser itself needs no lookups: a service that starts on its own cannot resolve its server.
+NO_OWN_LOOKUPS = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
 CONTEXT_KEY, REFS_KEY, GUARD_KEY = "browser_context", "browser_refs", "browser_guard"  # in ctx.state
 _SNAPSHOT_REF = re.compile(r"\[ref=([\w-]+)\]")  # Playwright's element refs (e12, f3e12...)
 _REF_ARGUMENT = re.compile(r"^\[?(\d+)\]?$")
@@ -58,6 +75,34 @@ class _Shared:
     lock: asyncio.Lock
     playwright: Any = None
     browser: Any = None
+    user: _User | None = None
+
+
+class _User:
+    """Who Chromium runs as when the runner is root: a uid of the sandbox range, held while the
+    worker lives, with a home of its own; `launcher` drops to it (setpriv) and hands it
+    Playwright's profile, so Chromium's own sandbox can stay on."""
+
+    def __init__(self, chromium: str) -> None:
+        self.uid, self._lock = roots.take_uid()
+        self.home = roots.new_root_dir()  # held by lock: swept by a later run if this worker is killed
+        os.chown(self.home, self.uid, self.uid)
+        self.launcher = os.path.join(self.home, "chromium-as-user")
+        with open(self.launcher, "w") as f:
+            f.write(LAUNCHER.format(uid=self.uid, home=shlex.quote(self.home), chromium=shlex.quote(chromium)))
+        os.chmod(self.launcher, 0o755)
+
+    def close(self) -> None:
+        roots.remove_root(self.home)
+        roots.release_root(self.home)
+        locks.release(self._lock)
+
+
+LAUNCHER = """#!/bin/sh
+for arg; do case "$arg" in --user-data-dir=*) chown -R {uid}:{uid} "${{arg#--user-data-dir=}}";; esac; done
+export HOME={home}
+exec setpriv --reuid={uid} --regid={uid} --clear-groups --inh-caps=-all --bounding-set=-all -- {chromium} "$@"
+"""
 
 
 _shared: _Shared | None = None
@@ -90,10 +135,12 @@ async def _browser(settings: ToolSettings) -> Any:
 
             if shared.playwright is None:
                 shared.playwright = await async_playwright().start()
+            if os.geteuid() == 0 and shared.user is None:  # Chromium's sandbox refuses to run as root
+                shared.user = _User(executable(settings))
             shared.browser = await shared.playwright.chromium.launch(
-                executable_path=executable(settings), headless=True,
-                chromium_sandbox=os.geteuid() != 0,  # Chromium's sandbox refuses to run as root
-                args=[*CHROMIUM_ARGS, *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
+                executable_path=shared.user.launcher if shared.user else executable(settings), headless=True,
+                chromium_sandbox=True, args=[*CHROMIUM_ARGS, *([] if settings.allow_private_urls else [NO_OWN_LOOKUPS]),
+                      *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
             )
     return shared.browser
 
@@ -108,6 +155,8 @@ async def shutdown() -> None:
         await shared.browser.close()
     if shared.playwright is not None:
         await shared.playwright.stop()
+    if shared.user is not None:
+        shared.user.close()
 
 
 def _guard(ctx: ToolContext) -> Guard | None:

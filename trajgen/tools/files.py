@@ -1,19 +1,25 @@
 """The `file` toolset: read, write, patch and search files in the prompt's sandbox.
 
 Reads and writes go through the sandbox (host-side and path-checked for the local backend);
-the search runs inside it. A model's bad arguments or a refused path come back as
-success=False with a message, never as an exception.
+the search runs inside it. Files are streamed, never loaded whole: read_file keeps only the
+window of lines it shows, patch refuses files over MAX_PATCH_BYTES, so no file a model makes can
+fill the worker's memory. A model's bad arguments or a refused path come back as success=False
+with a message, never as an exception.
 """
 from __future__ import annotations
 
 import re
 import shlex
+from contextlib import aclosing
+from dataclasses import dataclass, field
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import Sandbox, SandboxError, read_file as read_whole
 from trajgen.tools import ToolContext, ToolSpec
 
 MAX_READ_CHARS = 100_000
 MAX_LINE_CHARS = 2_000  # a minified file's one line must not eat the whole read
+MAX_PATCH_BYTES = 8 * 1024 * 1024
+BINARY_PROBE = 8192
 DEFAULT_LIMIT = 500
 MAX_MATCHES = 200
 MATCH_LINE = re.compile(r"^.+?:\d+:")
@@ -34,34 +40,103 @@ def _bad_args(strings: dict[str, object], positive: dict[str, object] | None = N
     return None
 
 
+@dataclass
+class _Window:
+    """Lines offset..offset+limit-1 of a stream, each cut at MAX_LINE_CHARS, within MAX_READ_CHARS in all."""
+
+    offset: int
+    limit: int
+    shown: list[str] = field(default_factory=list)
+    size: int = 0
+    full: bool = False  # MAX_READ_CHARS reached: later lines are counted, not kept
+    lines: int = 0  # complete lines seen
+    line: bytearray = field(default_factory=bytearray)  # the current line's first bytes
+    line_bytes: int = 0
+
+    def feed(self, chunk: bytes) -> None:
+        while chunk:
+            if not self._showing():  # lines outside the window are only counted, at C speed
+                chunk = self._skip(chunk)
+                continue
+            end = chunk.find(b"\n")
+            if end == -1:
+                self._take(chunk)
+                return
+            self._take(chunk[:end])
+            self._finish()
+            chunk = chunk[end + 1:]
+
+    def _showing(self) -> bool:
+        return self.offset <= self.lines + 1 < self.offset + self.limit and not self.full
+
+    def _skip(self, chunk: bytes) -> bytes:
+        """Count the lines of `chunk` up to the window's first line; the rest of the chunk is returned."""
+        before = self.offset - 1 - self.lines
+        if before <= 0 or chunk.count(b"\n") < before:
+            newlines = chunk.count(b"\n")
+            self.lines += newlines
+            self.line_bytes = len(chunk) - chunk.rfind(b"\n") - 1 if newlines else self.line_bytes + len(chunk)
+            return b""
+        end = -1
+        for _ in range(before):
+            end = chunk.find(b"\n", end + 1)
+        self.lines += before
+        self.line_bytes = 0
+        return chunk[end + 1:]
+
+    def _take(self, piece: bytes) -> None:
+        self.line_bytes += len(piece)
+        if len(self.line) <= MAX_LINE_CHARS * 4:  # up to 4 bytes a character
+            self.line += piece[: MAX_LINE_CHARS * 4 + 1 - len(self.line)]
+
+    def _finish(self) -> None:
+        if self._showing():
+            line = self.line.decode("utf-8", "replace")
+            if len(line) > MAX_LINE_CHARS or self.line_bytes > len(self.line):
+                line = line[:MAX_LINE_CHARS] + f" [... line cut, {self.line_bytes} bytes]"
+            text = f"{self.lines + 1:6d}|{line}\n"
+            if self.size + len(text) > MAX_READ_CHARS:
+                self.full = True
+            else:
+                self.shown.append(text)
+                self.size += len(text)
+        self.lines += 1
+        self.line.clear()
+        self.line_bytes = 0
+
+    def end(self) -> None:
+        if self.line_bytes:  # a last line without a newline
+            self._finish()
+
+
+async def _read_window(sandbox: Sandbox, path: str, window: _Window) -> bool:
+    """Stream the file through `window`; False if it looks binary (a NUL in its first bytes)."""
+    first = True
+    async with aclosing(sandbox.read_chunks(path)) as chunks:
+        async for chunk in chunks:
+            if first and b"\0" in chunk[:BINARY_PROBE]:
+                return False
+            first = False
+            window.feed(chunk)
+    window.end()
+    return True
+
+
 async def read_file(ctx: ToolContext, path: object = None, offset: object = 1, limit: object = DEFAULT_LIMIT) -> dict:
     if error := _bad_args({"path": path}, {"offset": offset, "limit": limit}):
         return _fail(error)
+    window = _Window(offset, limit)
     try:
-        data = await (await ctx.sandbox()).read_file(path)
+        if not await _read_window(await ctx.sandbox(), path, window):
+            return _fail(f"{path} looks binary; not shown")
     except SandboxError as e:
         return _fail(str(e))
-    if b"\0" in data[:8192]:
-        return _fail(f"{path} looks binary ({len(data)} bytes); not shown")
-    lines = data.decode("utf-8", "replace").split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    if offset > max(len(lines), 1):
-        return _fail(f"offset {offset} is past the end of {path} ({len(lines)} lines)")
-    shown: list[str] = []
-    size = 0
-    for number, line in enumerate(lines[offset - 1 : offset - 1 + limit], start=offset):
-        if len(line) > MAX_LINE_CHARS:
-            line = line[:MAX_LINE_CHARS] + f" [... line cut, {len(line)} chars]"
-        text = f"{number:6d}|{line}\n"
-        if size + len(text) > MAX_READ_CHARS:
-            break
-        shown.append(text)
-        size += len(text)
-    end = offset + len(shown) - 1
-    truncated = end < len(lines)
+    if offset > max(window.lines, 1):
+        return _fail(f"offset {offset} is past the end of {path} ({window.lines} lines)")
+    end = offset + len(window.shown) - 1
+    truncated = end < window.lines
     return {
-        "success": True, "error": None, "content": "".join(shown), "total_lines": len(lines),
+        "success": True, "error": None, "content": "".join(window.shown), "total_lines": window.lines,
         "truncated": truncated, "next_offset": end + 1 if truncated else None,
     }
 
@@ -90,7 +165,7 @@ async def patch(
         return _fail("`replace_all` must be true or false")
     try:
         sandbox = await ctx.sandbox()
-        text = (await sandbox.read_file(path)).decode("utf-8")
+        text = (await read_whole(sandbox, path, MAX_PATCH_BYTES)).decode("utf-8")
         count = text.count(old_string)
         if count == 0:
             return _fail(f"old_string not found in {path}; nothing changed")

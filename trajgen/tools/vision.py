@@ -1,7 +1,9 @@
 """The `vision` toolset: `vision_analyze` asks an OpenAI-compatible vision model about an image.
 
 The image is an http(s) or data: URL, passed on as it is, or a file in the prompt's sandbox,
-read through the sandbox and sent as a data URL. The model and endpoint are the run's unless
+read through the sandbox (at most MAX_IMAGE_BYTES of it) and sent as a data URL. An http(s) URL
+must pass the same public-address check as web_extract's (netguard) unless --allow_private_urls:
+a vision server that fetches image URLs must not become a way into the user's private network. The model and endpoint are the run's unless
 `vision_model` / `vision_base_url` / `vision_api_key` are set.
 """
 from __future__ import annotations
@@ -12,8 +14,9 @@ import mimetypes
 
 import openai
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import SandboxError, read_file
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
+from trajgen.tools.netguard import check_url
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_ANSWER_CHARS = 20_000
@@ -63,13 +66,14 @@ async def vision_analyze(ctx: ToolContext, image_url: object = None, question: o
     if not isinstance(question, str) or not question.strip():
         return _fail("`question` must be a non-empty string")
     url = image_url.strip()
-    if not url.lower().startswith(("http://", "https://", "data:")):
+    if url.lower().startswith(("http://", "https://")):
+        if reason := await check_url(url, ctx.settings.allow_private_urls):
+            return _fail(reason)
+    elif not url.lower().startswith("data:"):
         try:
-            data = await (await ctx.sandbox()).read_file(url)
+            data = await read_file(await ctx.sandbox(), url, MAX_IMAGE_BYTES)
         except SandboxError as e:
             return _fail(str(e))
-        if len(data) > MAX_IMAGE_BYTES:
-            return _fail(f"{url} is {len(data)} bytes; images over {MAX_IMAGE_BYTES} bytes are not sent")
         mime = image_mime(data, url)
         if mime is None:
             return _fail(f"{url} is not a recognised image (png, jpeg, gif, webp, bmp...)")

@@ -6,21 +6,27 @@ logins and proxy settings out of requests to arbitrary sites). Each provider's b
 overridden by an environment variable, for self-hosted instances and for tests.
 
 Pages on loopback, private and link-local addresses are refused unless --allow_private_urls
-(netguard): the URL and every redirect hop, which are followed here one by one for that. With
+(netguard): the URL and every redirect hop, which are followed here one by one for that, each
+requested from the very address that was checked (so a DNS answer that changes after the check
+cannot get through). HTML becomes markdown in a child process (html_text.py) that is killed past
+HTML_TIMEOUT: no page can hold a worker for long. With
 Firecrawl the page is fetched by Firecrawl, which follows redirects itself; the URL the model gave
 is still checked, since a self-hosted Firecrawl may well sit inside the user's network.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
-from trajgen.tools.netguard import check_url
+from trajgen.tools.netguard import Verdict, check_host, check_url
 
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 10
@@ -29,6 +35,7 @@ MAX_URLS = 5
 MAX_PAGE_BYTES = 2 * 1024 * 1024
 MAX_PAGE_CHARS = 40_000
 MAX_REDIRECTS = 5
+HTML_TIMEOUT = 10.0
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 USER_AGENT = "Mozilla/5.0 (compatible; trajgen-web-extract/0.1)"
 TEXT_TYPES = ("application/json", "application/xml", "application/xhtml+xml", "application/javascript")
@@ -154,15 +161,29 @@ def _is_text(content_type: str) -> bool:
     return content_type.startswith("text/") or content_type in TEXT_TYPES or content_type.endswith(("+xml", "+json"))
 
 
-def _html_to_markdown(html: bytes, url: str) -> tuple[str, str | None]:
-    """Main content as markdown (trafilatura), else all of the page's text; and the title."""
-    import trafilatura  # heavy import: only workers that read pages pay for it
+class PageTooSlow(Exception):
+    """The page's HTML could not be converted in time (or at all)."""
 
-    text = trafilatura.extract(html, url=url, output_format="markdown", include_links=True, favor_recall=True)
-    if not text:
-        text = trafilatura.html2txt(html)
-    metadata = trafilatura.extract_metadata(html)
-    return text, metadata.title if metadata else None
+
+async def _html_to_markdown(html: bytes, url: str) -> tuple[str, str | None]:
+    """html_text.convert in a child process, killed past HTML_TIMEOUT."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "trajgen.tools.html_text", url, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        async with asyncio.timeout(HTML_TIMEOUT):
+            out, _ = await proc.communicate(html)
+    except TimeoutError:
+        raise PageTooSlow(f"converting the page to text took longer than {HTML_TIMEOUT:g} s; not shown") from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        raise PageTooSlow("the page could not be converted to text")
+    converted = json.loads(out)
+    return converted["text"] or "", converted["title"]
 
 
 def _page(url: str, final_url: str, title: str | None, content: str, truncated: bool) -> dict:
@@ -173,19 +194,34 @@ def _page(url: str, final_url: str, title: str | None, content: str, truncated: 
 
 async def _fetch(client: httpx.AsyncClient, url: str, allow_private: bool) -> dict:
     """One page through the runner: redirects followed up to a limit, each hop checked before it is
-    requested; text types only, size capped."""
+    requested, from the address that was checked; text types only, size capped."""
     target = httpx.URL(url)  # checked as httpx will read it
     for hop in range(MAX_REDIRECTS + 1):
-        if reason := await check_url(str(target), allow_private):
+        checked: list[str] = []
+
+        async def lookup(host: str) -> Verdict:
+            verdict = await check_host(host)
+            checked[:] = verdict[0]
+            return verdict
+
+        if reason := await check_url(str(target), allow_private, lookup):
             return {"url": url, "error": f"redirected to {target}: {reason}" if hop else reason}
-        async with client.stream("GET", target) as response:
+        async with client.stream("GET", **_pinned(target, checked)) as response:
             if not response.is_redirect:
-                return await _read(url, response)
-            target = response.url.join(response.headers["location"])
+                return await _read(url, str(target), response)
+            target = target.join(response.headers["location"])
     return {"url": url, "error": f"more than {MAX_REDIRECTS} redirects"}
 
 
-async def _read(url: str, response: httpx.Response) -> dict:
+def _pinned(target: httpx.URL, addresses: list[str]) -> dict:
+    """The request arguments that reach `target` at its first checked address (its Host and TLS name kept)."""
+    if not addresses:  # --allow_private_urls: nothing was resolved, so nothing is pinned
+        return {"url": target}
+    return {"url": target.copy_with(host=addresses[0]), "headers": {"Host": target.netloc.decode("ascii")},
+            "extensions": {"sni_hostname": target.host}}
+
+
+async def _read(url: str, final_url: str, response: httpx.Response) -> dict:
     if response.status_code >= 400:
         return {"url": url, "error": f"HTTP {response.status_code}"}
     content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -197,9 +233,9 @@ async def _read(url: str, response: httpx.Response) -> dict:
         if len(body) > MAX_PAGE_BYTES:
             break
     truncated = len(body) > MAX_PAGE_BYTES
-    data, final_url = bytes(body[:MAX_PAGE_BYTES]), str(response.url)
+    data = bytes(body[:MAX_PAGE_BYTES])
     if content_type in ("text/html", "application/xhtml+xml"):
-        content, title = await asyncio.to_thread(_html_to_markdown, data, final_url)
+        content, title = await _html_to_markdown(data, final_url)
     else:
         content, title = data.decode(response.charset_encoding or "utf-8", "replace"), None
     return _page(url, final_url, title, content, truncated)
@@ -226,6 +262,8 @@ async def _extract_one(client: httpx.AsyncClient, url: str, firecrawl: bool, all
             return {"url": url, "error": reason}
         return await _scrape(client, url)
     # LookupError: a key, a charset; InvalidURL: a Location httpx cannot read
+    except PageTooSlow as e:
+        return {"url": url, "error": str(e)}
     except (httpx.HTTPError, httpx.InvalidURL, ValueError, LookupError, TypeError, AttributeError) as e:
         reason = _api_error("firecrawl", e) if firecrawl else f"{type(e).__name__}: {e}"
         return {"url": url, "error": reason}

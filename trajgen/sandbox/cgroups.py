@@ -1,0 +1,131 @@
+"""A cgroup per local sandbox: one limit on its memory (/tmp and work dir pages included), its
+processes and its CPU share, whatever the commands do.
+
+Both hierarchies are supported, found at start: cgroup v2 (`/sys/fs/cgroup/cgroup.controllers`),
+where the runner's own cgroup must be able to hand `memory` and `pids` to children, and v1 with
+the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>`. Groups live
+under the runner's own cgroup, as `trajgen-<label>/<key>`. Where neither can be used (no root, a
+cgroup that is not delegated) `problem()` says why and the sandbox keeps only per-process limits.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+V2_CONTROLLERS = ("memory", "pids")
+KILL_DEADLINE = 10.0
+
+
+def _own_path(controller: str) -> str:
+    """The runner's cgroup in a hierarchy: "" is the v2 one, else a v1 controller's."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (controller in controllers.split(",")) if controller else controllers == "":
+            return path.lstrip("/")
+    raise OSError(f"no {controller or 'v2'} cgroup in /proc/self/cgroup")
+
+
+@functools.cache
+def _bases() -> tuple[tuple[Path, ...], str | None]:
+    """(the directories run groups are made in, one per hierarchy used) or why there are none."""
+    if os.geteuid() != 0:
+        return (), "the runner is not root"
+    try:
+        if (CGROUP_FS / "cgroup.controllers").exists():
+            base = CGROUP_FS / _own_path("")
+            enabled = (base / "cgroup.subtree_control").read_text().split()
+            if missing := [c for c in V2_CONTROLLERS if c not in enabled]:
+                (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
+            return (base,), None
+        if all((CGROUP_FS / c / "cgroup.procs").exists() for c in V1_CONTROLLERS):
+            return tuple(CGROUP_FS / c / _own_path(c) for c in V1_CONTROLLERS), None
+    except OSError as e:
+        return (), f"the runner's cgroup cannot hand controllers to sandboxes ({e.strerror or e})"
+    return (), "no cgroup v2 with memory and pids, nor cgroup v1 memory, pids and cpu controllers"
+
+
+def problem() -> str | None:
+    """Why sandboxes get no cgroup here, or None."""
+    return _bases()[1]
+
+
+class Group:
+    """One sandbox's cgroup (a directory per hierarchy used)."""
+
+    def __init__(self, dirs: tuple[Path, ...]) -> None:
+        self.dirs = dirs
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed for going over the memory limit so far."""
+        for d in self.dirs:
+            for name in ("memory.events", "memory.oom_control"):
+                if (d / name).exists():
+                    match = re.search(r"^oom_kill (\d+)", (d / name).read_text(), re.M)
+                    return int(match.group(1)) if match else 0
+        return 0
+
+    def remove(self) -> None:
+        """Kill whatever still runs in it, then remove it."""
+        _remove(self.dirs)
+
+
+def create(label: str, key: str, memory_bytes: int, max_processes: int) -> Group:
+    """The sandbox's cgroup with its limits; OSError if it cannot be made."""
+    dirs = tuple(base / f"trajgen-{label}" / key for base in _bases()[0])
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        if (d / "memory.max").exists():
+            (d / "memory.max").write_text(str(memory_bytes))
+            if (d / "memory.swap.max").exists():
+                (d / "memory.swap.max").write_text("0")
+        if (d / "memory.limit_in_bytes").exists():
+            (d / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        if (d / "pids.max").exists():
+            (d / "pids.max").write_text(str(max_processes))
+    return Group(dirs)
+
+
+def remove_run(label: str) -> None:
+    """Remove every group of a run (after a crash, or at its end); safe to repeat."""
+    for base in _bases()[0]:
+        run = base / f"trajgen-{label}"
+        if run.is_dir():
+            _remove((*(p for p in run.iterdir() if p.is_dir()), run))
+
+
+def _remove(dirs: tuple[Path, ...]) -> None:
+    """Kill each group's processes until it can be removed (dying processes keep it busy a moment)."""
+    deadline = time.monotonic() + KILL_DEADLINE
+    for d in dirs:
+        while not _rmdir(d) and time.monotonic() < deadline:
+            try:
+                pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+            except FileNotFoundError:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+
+
+def _rmdir(d: Path) -> bool:
+    """True once `d` is gone."""
+    try:
+        d.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True

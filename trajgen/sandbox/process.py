@@ -1,0 +1,98 @@
+"""Running one command as a child process: output merged and capped, its group killed at the end."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from typing import Awaitable, Callable
+
+from trajgen.sandbox import ExecResult, SandboxError
+
+OUTPUT_CAP = 50_000  # bytes of command output kept: the first and the last half
+
+
+class _Capture:
+    """Keeps the head and tail of a stream as it arrives, so a flood of output costs no memory."""
+
+    def __init__(self) -> None:
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = OUTPUT_CAP // 2 - len(self.head)
+        self.head += chunk[:room] if room > 0 else b""
+        self.tail += chunk[max(room, 0):]
+        del self.tail[: -(OUTPUT_CAP // 2)]
+
+    def text(self) -> str:
+        cut = self.total - len(self.head) - len(self.tail)
+        if cut == 0:
+            return (self.head + self.tail).decode("utf-8", "replace")
+        head, tail = self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace")
+        return f"{head}\n[... {cut} bytes of output cut ...]\n{tail}"
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def run_process(
+    argv: list[str],
+    timeout: float,
+    env: dict[str, str],
+    cwd: str | None = None,
+    pass_fds: tuple[int, ...] = (),
+    on_timeout: Callable[[], Awaitable[None]] | None = None,
+) -> ExecResult:
+    """Run argv in a new session with stdout+stderr merged and capped; on timeout kill its group.
+
+    The group is killed after a normal exit (ending background jobs the command left; bwrap
+    and docker end them anyway) and when the caller is cancelled too; `on_timeout` kills what
+    lives beyond our reach.
+    The output pipe is our own, not asyncio's: asyncio's `wait()` would also wait for every
+    process holding the pipe, such as a background job that escaped with setsid.
+    """
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+            env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds,
+        )
+    except OSError as e:
+        os.close(read_fd)
+        raise SandboxError(f"cannot start {argv[0]}: {e.strerror}") from e
+    finally:
+        os.close(write_fd)
+    stream = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", 0)
+    )
+    capture = _Capture()
+
+    async def pump() -> None:
+        while chunk := await stream.read(65536):
+            capture.add(chunk)
+
+    reader = asyncio.create_task(pump())
+    error = None
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        error = f"timed out after {timeout:g} s; the command and its children were killed"
+    finally:  # a cancelled caller (prompt deadline, shutdown) must not leave the command running
+        _kill_group(proc.pid)
+        await proc.wait()
+    if error and on_timeout:
+        await on_timeout()
+    try:  # a process that escaped the group may still hold the pipe: stop waiting for it
+        await asyncio.wait_for(reader, 2)
+    except TimeoutError:
+        pass
+    transport.close()
+    return ExecResult(capture.text(), None if error else proc.returncode, error)

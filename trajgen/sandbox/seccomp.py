@@ -1,0 +1,91 @@
+"""The seccomp filter every local sandbox command runs under, compiled with libseccomp (via ctypes).
+
+Denied with EPERM: the kernel keyring (add_key, keyctl, request_key: a keyring outlives a prompt
+and would let prompts, even of later runs, pass data to each other), new namespaces of any kind
+(unshare, setns, and clone with a CLONE_NEW* flag; clone3 answers ENOSYS so libc falls back to
+clone, where the flags can be checked), and the usual container deny-list: mounts, ptrace and
+other processes' memory, kernel modules, kexec, bpf, perf, swap, reboot, clocks, accounting,
+handles to files outside the mount (open_by_handle_at) and userfaultfd. Syscalls of another ABI
+(32-bit ones on a 64-bit kernel) kill the process: the filter only knows the native table.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+
+DENIED = (
+    "add_key", "keyctl", "request_key",
+    "unshare", "setns",
+    "mount", "umount2", "pivot_root", "chroot", "mount_setattr", "move_mount", "open_tree",
+    "fsopen", "fsconfig", "fsmount", "fspick",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "bpf", "perf_event_open", "userfaultfd", "swapon", "swapoff", "reboot", "acct",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "quotactl",
+    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "iopl", "ioperm",
+    "syslog", "vhangup", "nfsservctl", "uselib",
+)
+CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+ACT_ALLOW = 0x7FFF0000
+ACT_ERRNO = 0x00050000
+CMP_MASKED_EQ = 7
+
+
+class _Arg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+
+def _library() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError:
+        raise OSError("libseccomp is not installed (apt-get install libseccomp2)") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_Arg)]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def program() -> bytes:
+    """The compiled BPF program, as bubblewrap's `--seccomp FD` reads it; OSError if it cannot be built."""
+    lib = _library()
+    ctx = lib.seccomp_init(ACT_ALLOW)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+    try:
+        def rule(action: int, name: str, *args: _Arg) -> None:
+            number = lib.seccomp_syscall_resolve_name(name.encode())
+            if number < 0:
+                return  # not a syscall of this architecture
+            array = (_Arg * len(args))(*args) if args else None
+            if lib.seccomp_rule_add_array(ctx, action, number, len(args), array) < 0:
+                raise OSError(f"libseccomp refused the rule for {name}")
+
+        for name in DENIED:
+            rule(ACT_ERRNO | errno.EPERM, name)
+        rule(ACT_ERRNO | errno.ENOSYS, "clone3")
+        for flag in CLONE_NEW:
+            rule(ACT_ERRNO | errno.EPERM, "clone", _Arg(0, CMP_MASKED_EQ, flag, flag))
+        fd = os.memfd_create("seccomp", os.MFD_CLOEXEC)
+        try:
+            if lib.seccomp_export_bpf(ctx, fd) < 0:
+                raise OSError("seccomp_export_bpf failed")
+            return os.pread(fd, 1 << 20, 0)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def memfd(data: bytes, name: str) -> int:
+    """An inheritable fd holding `data`, read from its start (bubblewrap's --seccomp and --args take one)."""
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
