@@ -6,6 +6,7 @@ envelope tags and their escaped forms in tool outputs, reasoning and answers; th
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -133,9 +134,11 @@ def test_every_export_loads_with_datasets(run):
         loaded = datasets.load_dataset(loader, data_files=str(cli.run_dir() / name), split="train",
                                        cache_dir=str(cli.cwd / "hf-cache"))
         assert len(loaded) == 3, name
-        if name == "export_openai.jsonl":  # TRL's conversational format: `messages` beside `tools`
-            assert {"messages", "tools"} <= set(loaded.column_names)
-            assert all(len(r["tools"]) >= 1 and r["messages"][-1]["role"] == "assistant" for r in loaded)
+        if name == "export_openai.jsonl":  # TRL's conversational format: `messages` beside `tools`, loaded unaltered
+            exported = _by_id(read_jsonl(cli.run_dir() / name))
+            for record in loaded:
+                assert {k: record[k] for k in ("messages", "tools")} == {
+                    k: exported[record["provenance"]["dataset_id"]][k] for k in ("messages", "tools")}
 
 
 def test_the_packaged_smollm2_template_renders_the_sharegpt_text_whole(run):
@@ -158,3 +161,15 @@ def test_the_packaged_smollm2_template_renders_the_sharegpt_text_whole(run):
     assert all(t["value"] in text for t in record["conversations"])
     openai = _by_id(read_jsonl(cli.run_dir() / "export_openai.jsonl"))["row-1"]
     assert "write_file" not in render(messages=openai["messages"], tools=openai["tools"])  # why not the openai export
+
+
+def test_rows_of_an_older_format_are_refused_by_name(run):
+    cli, _ = run
+    old = cli.run_dir("old")
+    shutil.copytree(cli.run_dir(), old, ignore=shutil.ignore_patterns("export*", ".runner.lock"))
+    rows = read_jsonl(old / "trajectories.jsonl")
+    rows[0]["metadata"]["format_version"] = 1
+    write_jsonl(old / "trajectories.jsonl", rows)
+    done = cli.run("--export=openai", "--run_name=old")
+    assert done.returncode == 2 and "has row format 1, exports need 2" in done.stderr
+    assert not list(old.glob("*export*"))  # nothing half-written
