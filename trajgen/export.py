@@ -49,6 +49,8 @@ def to_openai(row: dict) -> list[dict]:
 def to_sharegpt(row: dict) -> dict:
     """The row with its system turn in the Hermes form: the `<tools>` list makes the text self-contained."""
     turns = row["conversations"]
+    if not row["tools"]:  # nothing was offered, so the requests listed nothing
+        return row
     system = turns[0]["value"] if turns[0]["from"] == "system" else ""
     head = {"from": "system", "value": hermes_system(system, row["tools"])}
     return {**row, "conversations": [head, *turns[1 if system else 0:]]}
