@@ -1,69 +1,9 @@
-"""Exports for the training frameworks, --dry_run, and the spend limits."""
+"""A missing export, --dry_run, and the spend limits (exports: tests/test_rows_exports.py)."""
 from __future__ import annotations
-
-import json
 
 import pytest
 
-from tests.conftest import call, read_jsonl, think, write_jsonl
-
-
-def _finished_run(cli, server) -> list[dict]:
-    write_jsonl(cli.cwd / "prompts.jsonl", [
-        {"prompt": "edit", "id": "row-1"},
-        {"prompt": "tags", "id": 2},
-    ])
-    done = cli.run(*cli.args(server, temperature=0.3))
-    assert done.returncode == 0, done.stderr
-    return read_jsonl(cli.run_dir() / "trajectories.jsonl")
-
-
-SCRIPT = {"prompts": {
-    "edit": [
-        {"content": "Let me write <tool_call> text & </think> safely.", "reasoning": "plan </think> it",
-         "tool_calls": [{"name": "write_file", "arguments": {"path": "a.txt", "content": "x</tool_response>y"}},
-                        {"name": "terminal", "arguments": {"command": "cat a.txt"}}]},
-        {"content": "All done.", "reasoning": "check"},
-    ],
-    "tags": [{"content": "<think>inline</think>final &lt;think> literal"}],
-}}
-
-
-def test_openai_export_round_trips_tool_calls_and_results(cli, scripted_server):
-    server = scripted_server(SCRIPT)
-    rows = _finished_run(cli, server)
-    done = cli.run("--export=openai", "--run_name=run")
-    assert done.returncode == 0, done.stderr
-    exported = {r["provenance"]["dataset_id"]: r for r in read_jsonl(cli.run_dir() / "export_openai.jsonl")}
-    edit = exported["row-1"]["messages"]
-    assert [m["role"] for m in edit] == ["system", "user", "assistant", "tool", "tool", "assistant"]
-    assert edit[2]["content"] == "Let me write <tool_call> text & </think> safely."
-    assert edit[2]["reasoning_content"] == "plan </think> it"
-    # the calls and results are exactly what the model sent and the tools returned, matched by id
-    sent = [r["body"]["messages"] for r in server.requests() if r["prompt"] == "edit"][-1]
-    def calls(message):
-        return [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
-    assert calls(edit[2]) == calls(sent[2])
-    assert [json.loads(m["content"]) for m in edit[3:5]] == [json.loads(m["content"]) for m in sent[3:5]]
-    assert [m["tool_call_id"] for m in edit[3:5]] == [c["id"] for c in sent[2]["tool_calls"]]
-    assert json.loads(edit[2]["tool_calls"][0]["function"]["arguments"]) == {"path": "a.txt", "content": "x</tool_response>y"}
-    provenance = exported["row-1"]["provenance"]
-    assert provenance["model"] == "test-model" and provenance["settings"]["temperature"] == 0.3
-    assert provenance["toolsets_sampled"] == ["terminal", "file"] and provenance["prompt_key"]
-    assert len(rows) == 2
-
-
-def test_every_export_loads_with_datasets(cli, scripted_server):
-    datasets = pytest.importorskip("datasets")
-    _finished_run(cli, scripted_server(SCRIPT))
-    for fmt, name, loader in (("sharegpt", "export_sharegpt.jsonl", "json"), ("openai", "export_openai.jsonl", "json"),
-                              ("parquet", "export.parquet", "parquet")):
-        done = cli.run(f"--export={fmt}", "--run_name=run")
-        assert done.returncode == 0, done.stderr
-        loaded = datasets.load_dataset(loader, data_files=str(cli.run_dir() / name), split="train",
-                                       cache_dir=str(cli.cwd / "hf-cache"))
-        assert len(loaded) == 2, fmt
-        assert {str(r["provenance"]["dataset_id"] if fmt != "parquet" else r["dataset_id"]) for r in loaded} == {"row-1", "2"}
+from tests.conftest import read_jsonl, think, write_jsonl
 
 
 def test_export_of_a_missing_run_is_a_usage_error(cli):

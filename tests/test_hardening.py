@@ -171,7 +171,7 @@ def _filler(path: Path, leave: int) -> None:
 @pytest.mark.parametrize("room, full_at", [(300_000, "batch_"), (1_100_000, "trajectories.jsonl")],
                          ids=["during-the-run", "during-the-merge"])
 def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room, full_at):
-    server = scripted_server({"default": [think("x" * 10_000)]})  # rows of about 11 KB
+    server = scripted_server({"default": [think("x" * 4_000)]})  # rows of about 12 KB (the answer is in `value` and `message`)
     names = [f"prompt {i}" for i in range(60)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     filler = small_disk / "filler"

@@ -25,7 +25,9 @@ class Conversation:
     messages: list[dict]  # as sent: system, prefill, the prompt, then assistant/tool/user turns
     prompt_at: int  # index of the prompt's user message (what comes before it is never written)
     offered: tuple[str, ...]  # the tools offered
+    tools: list[dict]  # their schemas, exactly as sent with every request
     replies: list[dict] = field(default_factory=list)  # each assistant message as the endpoint returned it
+    served_by: list[dict] = field(default_factory=list)  # each distinct model/provider the responses named
     results: list[dict] = field(default_factory=list)  # each tool result, in the order of the tool messages
     usage: dict = field(default_factory=lambda: {**dict.fromkeys(USAGE_KEYS, 0), "cost": None})
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
@@ -35,6 +37,8 @@ class Conversation:
     def add_reply(self, reply: Reply, final_call: bool) -> list[dict]:
         """Append the assistant message as it will be sent back; returns its tool calls."""
         self.replies.append(reply.message)
+        if reply.served_by and reply.served_by not in self.served_by:
+            self.served_by.append(reply.served_by)
         for key in USAGE_KEYS:
             self.usage[key] += reply.usage.get(key, 0)
         if reply.usage.get("cost") is not None:
@@ -58,7 +62,7 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
                            schemas: list[dict], ctx: ToolContext) -> Conversation:
     started = time.monotonic()
     messages = start_messages(settings, prompt)
-    conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools))
+    conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools), schemas)
     offered = {t.name: t for t in tools}
     for turn in range(settings.max_turns + 1):
         final_call = turn == settings.max_turns
@@ -79,24 +83,28 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
 
 def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
     """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
-    part or the prefill), per-tool counts, and the metadata the statistics read."""
-    turns = [{"from": "system", "value": settings.system_prompt}] if settings.system_prompt else []
-    turns.append({"from": "human", "value": task.prompt})
+    part or the prefill), each with its `message` exactly as sent (a gpt turn also with its
+    `reasoning`), the tools offered, per-tool counts, and the metadata the statistics read."""
+    turns = [{"from": "system", "value": settings.system_prompt,
+              "message": {"role": "system", "content": settings.system_prompt}}] if settings.system_prompt else []
+    turns.append({"from": "human", "value": task.prompt, "message": conv.messages[conv.prompt_at]})
     stats = trajectory.empty_tool_stats(registry.ALL_TOOL_NAMES)
     hallucinated: list[str] = []
     replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
     reasoning_turns = 0
     for message in conv.messages[conv.prompt_at + 1:]:
         if message["role"] == "user":
-            turns.append({"from": "human", "value": message["content"]})
+            turns.append({"from": "human", "value": message["content"], "message": message})
         elif message["role"] == "assistant":
-            reasoning, content = trajectory.split_reasoning(next(replies))
+            reply = next(replies)
+            reasoning, content = trajectory.split_reasoning(reply)
             reasoning_turns += bool(reasoning)
             calls = [{"id": c["id"], "name": c["function"]["name"],
                       "arguments": trajectory.parse_arguments(c["function"]["arguments"])}
                      for c in message.get("tool_calls", [])]
             pending = iter(calls)  # the tool messages that follow answer these calls, in order
-            turns.append(trajectory.gpt_turn(reasoning, content, calls))
+            turns.append({**trajectory.gpt_turn(reasoning, content, calls), "message": message,
+                          "reasoning": trajectory.reply_reasoning(reply)})
         else:
             name, result = next(pending)["name"], next(results)
             entry = stats.setdefault(name, trajectory.tool_stat())
@@ -104,18 +112,29 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
             entry["success" if result.get("success") else "failure"] += 1
             if name not in conv.offered and name not in hallucinated:
                 hallucinated.append(name)
-            turns.append(trajectory.tool_turn(message["tool_call_id"], name, result))
+            turns.append({**trajectory.tool_turn(message["tool_call_id"], name, result), "message": message})
     metadata = {
         "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
         **{k: v for k, v in task.extra.items() if k not in ("batch_num", "timestamp", "model")},
         "prompt_key": task.key, "format_version": trajectory.FORMAT_VERSION,
         "toolsets_sampled": task.toolsets_sampled, "toolsets_offered": task.toolsets_offered,
+        "request": request_provenance(settings, conv.served_by),
+        "dataset": {"fingerprint": task.dataset_fingerprint, "line": task.prompt_index + 1},
         "hallucinated_tools": hallucinated, "assistant_turns": len(conv.replies), "turns_with_reasoning": reasoning_turns,
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
     }
     return {
-        "prompt_index": task.prompt_index, "conversations": turns, "metadata": metadata,
+        "prompt_index": task.prompt_index, "conversations": turns, "tools": conv.tools, "metadata": metadata,
         "completed": conv.completed, "partial": not conv.completed, "api_calls": len(conv.replies),
         "toolsets_used": task.toolsets_offered, "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
     }
+
+
+def request_provenance(settings: ModelSettings, served_by: list[dict]) -> dict:
+    """What a re-run must send to ask the same thing: the settings as resolved into each request
+    (the ephemeral system prompt and the prefill excluded by design), and who answered."""
+    return {"model": settings.model, "served_by": served_by, "system_prompt": settings.system_prompt,
+            "max_turns": settings.max_turns, "temperature": settings.temperature, "top_p": settings.top_p,
+            "max_tokens": settings.max_tokens, "reasoning_effort": settings.reasoning_effort,
+            "extra_body": settings.extra_body}

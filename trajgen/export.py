@@ -1,14 +1,18 @@
 """Exports of a finished run for the training frameworks, streamed from trajectories.jsonl.
 
-- sharegpt: the rows as they are, one per line, with a `provenance` object added.
-- openai: `messages` (role/content/tool_calls/tool_call_id), what TRL and most trainers take.
-- parquet: one row per trajectory; conversations as a list of {from, value}, tool calls and
-  metadata as JSON text so the schema never depends on which tools a model called.
+Every export is built from the structured parts each row keeps (`message`, `reasoning`,
+`tools`), never by parsing a rendered `value` back.
+
+- sharegpt: the rows, the system turn in the Hermes form with the `<tools>` list, `tools` as a
+  field, and a `provenance` object.
+- openai: `messages` exactly as the model received them plus its last reply, and `tools`: what
+  TRL's SFT trainer takes.
+- parquet: one row per trajectory; conversations as a list of {from, value}; messages, tools,
+  settings and metadata as JSON text so the schema never depends on which tools a model called.
 """
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -17,12 +21,11 @@ import jsonlines
 import orjson
 
 from trajgen import store
+from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS
-from trajgen.trajectory import ENVELOPE_TAGS
+from trajgen.trajectory import FORMAT_VERSION, hermes_system
 
 FORMATS = ("sharegpt", "openai", "parquet")
-_THINK = re.compile(r"\A<think>\n(.*?)\n</think>(?:\n|\Z)", re.DOTALL)
-_ESCAPED = re.compile(r"&lt;(/?(?:" + "|".join(ENVELOPE_TAGS) + r"))>")
 
 
 def provenance(row: dict, manifest: dict) -> dict:
@@ -32,65 +35,47 @@ def provenance(row: dict, manifest: dict) -> dict:
         "dataset_id": meta.get("id"), "prompt_index": row["prompt_index"],
         "toolsets_sampled": meta.get("toolsets_sampled"), "toolsets_offered": meta.get("toolsets_offered"),
         "settings": {k: manifest.get(k) for k in PROVENANCE_SETTINGS},
+        "request": meta.get("request"), "dataset": meta.get("dataset"),
     }
 
 
-def split_gpt_value(turn: dict) -> tuple[str, str]:
-    """(reasoning, content) back out of a rendered gpt value: the calls are dropped (they are in
-    `tool_calls`), the leading think block is split off, and escaped tags are restored."""
-    value = turn["value"]
-    for _ in turn.get("tool_calls") or []:
-        value = value[: value.rindex("<tool_call>\n")].removesuffix("\n")
-    reasoning = ""
-    if match := _THINK.match(value):
-        reasoning, value = match.group(1), value[match.end():]
-    unescape = lambda text: _ESCAPED.sub(r"<\1>", text)  # noqa: E731
-    return unescape(reasoning), unescape(value)
-
-
-def tool_response(turn: dict) -> dict:
-    return orjson.loads(turn["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))
-
-
 def to_openai(row: dict) -> list[dict]:
-    roles = {"system": "system", "human": "user"}
-    messages: list[dict] = []
-    for turn in row["conversations"]:
-        if turn["from"] in roles:
-            messages.append({"role": roles[turn["from"]], "content": turn["value"]})
-        elif turn["from"] == "gpt":
-            reasoning, content = split_gpt_value(turn)
-            message: dict = {"role": "assistant", "content": content}
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if turn.get("tool_calls"):
-                message["tool_calls"] = [
-                    {"id": c["id"], "type": "function",
-                     "function": {"name": c["name"], "arguments": orjson.dumps(c["arguments"]).decode()}}
-                    for c in turn["tool_calls"]]
-            messages.append(message)
-        else:
-            response = tool_response(turn)
-            messages.append({"role": "tool", "tool_call_id": response["tool_call_id"], "name": response["name"],
-                             "content": orjson.dumps(response["content"]).decode()})
-    return messages
+    """The messages of the last request, as sent, then the last reply; each assistant message
+    also has the reasoning the model produced with it as `reasoning_content` (never sent back)."""
+    return [{**turn["message"], "reasoning_content": turn["reasoning"]} if turn.get("reasoning") else turn["message"]
+            for turn in row["conversations"]]
+
+
+def to_sharegpt(row: dict) -> dict:
+    """The row with its system turn in the Hermes form: the `<tools>` list makes the text self-contained."""
+    turns = row["conversations"]
+    if not row["tools"]:  # nothing was offered, so the requests listed nothing
+        return row
+    system = turns[0]["value"] if turns[0]["from"] == "system" else ""
+    head = {"from": "system", "value": hermes_system(system, row["tools"])}
+    return {**row, "conversations": [head, *turns[1 if system else 0:]]}
 
 
 def _records(run_dir: Path, fmt: str) -> Iterator[dict]:
     manifest = store.read_json(run_dir / "manifest.json")
     torn: list[str] = []
     for row in store.read_records(run_dir / "trajectories.jsonl", torn):
+        version = row["metadata"].get("format_version")
+        if version != FORMAT_VERSION:
+            raise UsageError(f"{run_dir}/trajectories.jsonl: prompt {row['prompt_index']} has row format {version}, "
+                             f"exports need {FORMAT_VERSION} (run it again with a new --run_name)")
         origin = provenance(row, manifest)
         if fmt == "sharegpt":
-            yield {**row, "provenance": origin}
+            yield {**to_sharegpt(row), "provenance": origin}
         elif fmt == "openai":
-            yield {"messages": to_openai(row), "provenance": origin}
+            yield {"messages": to_openai(row), "tools": row["tools"], "provenance": origin}
         else:
             yield {
                 "conversations": [{"from": t["from"], "value": t["value"]} for t in row["conversations"]],
                 "tool_calls": orjson.dumps([t.get("tool_calls") for t in row["conversations"]]).decode(),
+                "messages": orjson.dumps(to_openai(row)).decode(), "tools": orjson.dumps(row["tools"]).decode(),
                 "completed": row["completed"], "api_calls": row["api_calls"],
-                **{k: v for k, v in origin.items() if k != "settings"},
+                **{k: v for k, v in origin.items() if k not in ("settings", "request", "dataset")},
                 "settings": orjson.dumps(origin["settings"]).decode(),
                 "metadata": orjson.dumps(row["metadata"]).decode(),
             }
@@ -127,7 +112,7 @@ def _write_parquet(run_dir: Path, tmp: str, chunk: int = 1000) -> int:
 
     schema = pa.schema([
         ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
-        ("tool_calls", pa.string()), ("completed", pa.bool_()), ("api_calls", pa.int64()),
+        ("tool_calls", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("completed", pa.bool_()), ("api_calls", pa.int64()),
         ("run_name", pa.string()), ("model", pa.string()), ("prompt_key", pa.string()), ("dataset_id", pa.string()),
         ("prompt_index", pa.int64()), ("toolsets_sampled", pa.list_(pa.string())),
         ("toolsets_offered", pa.list_(pa.string())), ("settings", pa.string()), ("metadata", pa.string()),

@@ -18,6 +18,7 @@ from trajgen.work import ModelSettings
 class Reply:
     message: dict  # the assistant message as the endpoint returned it: content, tool_calls, reasoning fields
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, reasoning_tokens, cost (any missing)
+    served_by: dict = field(default_factory=dict)  # the response's `model`, and `provider` when OpenRouter names one
 
 
 class ModelClient(Protocol):
@@ -35,7 +36,9 @@ class OpenAIModel:
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
         response = await llm.complete(self.client, self.settings, messages, tools, self.on_throttle, forbid_tools)
-        return Reply(response.choices[0].message.model_dump(exclude_none=True), _usage(response.usage))
+        provider = (response.model_extra or {}).get("provider")
+        served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
+        return Reply(response.choices[0].message.model_dump(exclude_none=True), _usage(response.usage), served_by)
 
 
 def _usage(usage) -> dict:

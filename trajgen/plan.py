@@ -37,7 +37,7 @@ def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: 
         sampled = sample_toolsets(distribution, seed, entry.key)
         extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
         yield Task(entry.key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
-                   extra, sampled, [t for t in sampled if t not in unavailable])
+                   extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint)
         n += 1
 
 

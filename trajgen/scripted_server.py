@@ -44,6 +44,8 @@ A reply is a dict with any of:
 - ``usage`` (dict merged over ``{"prompt_tokens": 10, "completion_tokens": 5,
   "total_tokens": 15}``; total is recomputed unless given; may carry ``cost`` and
   ``completion_tokens_details``).
+- ``model``: the ``model`` the completion reports (default: the request's);
+  ``provider``: a top-level ``provider`` field, as OpenRouter adds.
 - ``finish_reason`` (default ``"tool_calls"`` with tool calls, else ``"stop"``).
 - ``delay``: extra seconds for this reply, on top of ``latency``.
 - ``gate``: a name; the answer is held until the test calls ``open_gate(name)``
@@ -387,7 +389,8 @@ class ScriptedBackend:
             "id": f"chatcmpl-scripted-{next(self._completion_ids)}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.get("model") or MODEL_ID,
+            "model": reply.get("model") or body.get("model") or MODEL_ID,
+            **({"provider": reply["provider"]} if "provider" in reply else {}),
             "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": None}],
             "usage": make_usage(reply.get("usage")),

@@ -4,6 +4,8 @@ A gpt turn's `value` is self-contained training text in the Hermes form: one lea
 `<think>…</think>`, the content, then each call as `<tool_call>{json}</tool_call>`; tool turns
 are `<tool_response>{json}</tool_response>`. JSON inside the envelope escapes `<` as \\u003c,
 and free text has `<` of our own tags written as `&lt;`, so no content can break the envelope.
+Each turn also keeps `message`, the OpenAI message exactly as sent, so nothing is ever parsed
+back out of a `value`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 
 import orjson
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ENVELOPE_TAGS = ("think", "tool_call", "tool_response")
 REASONING_TAGS = ("think", "thinking", "reasoning", "REASONING_SCRATCHPAD")
 _REASONING_BLOCK = re.compile(
@@ -20,8 +22,8 @@ _REASONING_BLOCK = re.compile(
 _ENVELOPE_TAG = re.compile(r"<(/?(?:" + "|".join(ENVELOPE_TAGS) + r"))>")
 
 
-def split_reasoning(message: dict) -> tuple[str, str]:
-    """(reasoning, content without reasoning blocks) from the reply's fields and inline tags."""
+def reply_reasoning(message: dict) -> str:
+    """The reasoning the endpoint returned beside the content (its fields, not inline tags)."""
     parts: list[str] = []
     for name in ("reasoning", "reasoning_content"):
         if isinstance(message.get(name), str) and message[name].strip():
@@ -32,6 +34,12 @@ def split_reasoning(message: dict) -> tuple[str, str]:
                 text = detail.get("text") or detail.get("summary")
                 if isinstance(text, str) and text.strip():
                     parts.append(text.strip())
+    return "\n\n".join(parts)
+
+
+def split_reasoning(message: dict) -> tuple[str, str]:
+    """(reasoning, content without reasoning blocks) from the reply's fields and inline tags."""
+    parts = [r] if (r := reply_reasoning(message)) else []
     content = message.get("content") or ""
     if not isinstance(content, str):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -77,6 +85,22 @@ def gpt_turn(reasoning: str, content: str, calls: list[dict]) -> dict:
 def tool_turn(call_id: str, name: str, result: dict) -> dict:
     body = envelope_json({"tool_call_id": call_id, "name": name, "content": result})
     return {"from": "tool", "value": f"<tool_response>\n{body}\n</tool_response>", "tool_call_id": call_id}
+
+
+HERMES_TOOLS_PREAMBLE = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
+    "tags. You may call one or more functions to assist with the user query. Don't make assumptions about what "
+    "values to plug into functions. Here are the available tools:")
+HERMES_CALL_FORMAT = (
+    "For each function call return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags as follows:\n<tool_call>\n{"name": <function-name>, "arguments": <args-dict>}\n</tool_call>')
+
+
+def hermes_system(system_prompt: str, tools: list[dict]) -> str:
+    """The system turn in the Hermes function-calling form: the prompt, then the `<tools>` list
+    (the schemas as sent, `<` escaped like all envelope JSON) and how calls are written."""
+    listing = f"{HERMES_TOOLS_PREAMBLE}\n<tools>\n{envelope_json(tools)}\n</tools>\n{HERMES_CALL_FORMAT}"
+    return f"{system_prompt}\n\n{listing}" if system_prompt else listing
 
 
 def tool_stat() -> dict[str, int]:

@@ -53,3 +53,4 @@ class Task:
     extra: dict
     toolsets_sampled: list[str]
     toolsets_offered: list[str]
+    dataset_fingerprint: str = ""  # of the whole dataset file (manifest.json), so a row names its source
