@@ -1,30 +1,45 @@
 """One entry as the viewer shows it: the chat split into reasoning, text, tool calls and tool
-results (the export's own parsing of the Hermes envelope), with the record's metadata beside it.
+results (from each turn's structured parts), with the record's metadata beside it.
 A turn that does not parse is shown as its raw text."""
 from __future__ import annotations
 
 from itertools import islice
 from pathlib import Path
 
-from trajgen import dataset, export, store
+import orjson
+
+from trajgen import dataset, store, trajectory
 from trajgen.viewer.index import FAILED, ROW, Entry
 from trajgen.viewer.query import status
 
 ROW_FIELDS = ("completed", "partial", "api_calls", "toolsets_used")
 
 
-def _turn(turn) -> dict:
+def _turns(turns: list) -> list[dict]:
+    """Each turn from its structured parts (`message`, `reasoning`, `tool_calls`); a turn without
+    them (an older row format, a damaged row) is shown as its raw text."""
+    names: dict[str, str] = {}  # call id -> tool name, for the results that follow
+    shown = []
+    for turn in turns:
+        shown.append(_turn(turn, names))
+        for call in shown[-1].get("calls", []):
+            if isinstance(call, dict):
+                names[str(call.get("id"))] = str(call.get("name"))
+    return shown
+
+
+def _turn(turn, names: dict[str, str]) -> dict:
     if not isinstance(turn, dict):
         return {"role": "unknown", "text": str(turn)}
-    role, value = str(turn.get("from", "unknown")), turn.get("value")
+    role, value, message = str(turn.get("from", "unknown")), turn.get("value"), turn.get("message")
     try:
-        if role == "gpt":
-            reasoning, text = export.split_gpt_value(turn)
+        if role == "gpt" and isinstance(message, dict):
+            reasoning, text = trajectory.split_reasoning({**message, "reasoning": turn.get("reasoning")})
             return {"role": role, "reasoning": reasoning, "text": text, "calls": turn.get("tool_calls") or []}
-        if role == "tool":
-            response = export.tool_response(turn)
-            return {"role": role, "name": response.get("name"), "call_id": response.get("tool_call_id"),
-                    "content": response.get("content")}
+        if role == "tool" and isinstance(message, dict):
+            call_id = message.get("tool_call_id")
+            return {"role": role, "name": names.get(str(call_id)), "call_id": call_id,
+                    "content": orjson.loads(message["content"])}
     except (ValueError, TypeError, KeyError, AttributeError):
         pass
     return {"role": role, "text": value if isinstance(value, str) else str(value)}
@@ -58,7 +73,7 @@ def view(entry: Entry, record: dict, keep_hallucinated: bool, run_dir: Path) -> 
         "prompt_index": entry.prompt_index,
         "source": {"file": entry.file, "line": entry.line, "offset": entry.offset},
         "record": extra,
-        "turns": [_turn(t) for t in row.get("conversations") or []],
+        "turns": _turns(row.get("conversations") or []),
         "metadata": row.get("metadata"),
         "row": {k: row[k] for k in ROW_FIELDS if k in row},
         "tool_stats": {n: s for n, s in tool_stats.items() if isinstance(s, dict) and s.get("count")},
