@@ -6,10 +6,10 @@ opt-in cross-run cache."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
+from tests.test_hardening import _asked, _wait_for
 from trajgen import journal, store
 from trajgen.work import ModelSettings
 
@@ -33,19 +33,6 @@ def _script() -> dict:
             replies[turn] = {**replies[turn], "gate": gate}
         prompts[name] = replies
     return {"prompts": prompts}
-
-
-def _asked(server) -> Counter:
-    return Counter((r["prompt"], r["turn"]) for r in server.requests())
-
-
-def _wait_for(predicate, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not reached within {timeout} s")
 
 
 def _landed(run_dir) -> set[str]:
