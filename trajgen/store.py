@@ -180,6 +180,19 @@ def scan(run_dir: Path) -> Scan:
     return result
 
 
+def _without(lines: bytes, landed: frozenset[str]) -> bytes:
+    """The whole, parseable journal lines of `lines` whose prompt has not landed."""
+    kept = []
+    for line in lines.splitlines(keepends=True):
+        try:
+            entry = orjson.loads(line) if line.endswith(b"\n") else None
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("key") not in landed:
+            kept.append(line)
+    return b"".join(kept)
+
+
 class Writer:
     """Appends rows and side records as whole lines. Batch files are opened on their first row;
     when a batch ends, a background thread fsyncs and closes it and then writes the latest
@@ -252,12 +265,30 @@ class Writer:
             self.landed = set()
 
     def _compact(self, landed: frozenset[str]) -> None:
+        """Rewrite the journal without the landed prompts' entries. Appends wait only while the
+        few lines added during the rewrite are copied and the file is swapped."""
         path = self.paths[self.journal_fd]
-        with self._journal_lock:
-            kept = [e for e in read_records(path, []) if e.get("key") not in landed]
-            atomic_write(path, b"".join(orjson.dumps(e) + b"\n" for e in kept))
-            old, self.journal_fd = self.journal_fd, self._open(path)
-            os.close(old)
+        with open(path, "rb") as f:
+            data = f.read()
+        done = data.rfind(b"\n") + 1  # whole lines only: an append may be under way
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with writing(path), os.fdopen(fd, "wb") as f:
+                f.write(_without(data[:done], landed))
+                f.flush()
+                os.fsync(f.fileno())
+                with self._journal_lock:
+                    size = os.fstat(self.journal_fd).st_size
+                    f.write(_without(os.pread(self.journal_fd, size - done, done), landed))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                    old, self.journal_fd = self.journal_fd, self._open(path)
+                    os.close(old)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
     def failed(self, record: dict) -> None:
         self._append(self.side[FAILURES], record)
