@@ -154,3 +154,23 @@ def test_the_request_hash_covers_everything_that_changes_the_reply():
         (settings, messages, tools, True),
     ]
     assert len({base, *(journal.request_hash(*v) for v in variants)}) == 1 + len(variants)
+
+
+def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_path):
+    writer = store.Writer(tmp_path)
+    for key in ("landed", "discarded", "failed", "in flight"):
+        writer.journal({"key": key, "turn": 0, "hash": "h", "message": {"content": key}, "usage": {}})
+    writer.row(0, {"metadata": {"prompt_key": "landed"}})
+    writer.discarded({"prompt_key": "discarded", "reason": "no reasoning"})
+    writer.failed({"prompt_key": "failed", "error_class": "InternalServerError"})
+    writer.end_batch(0)
+    writer.journal({"key": "in flight", "turn": 1, "hash": "h2", "message": {"content": "later"}, "usage": {}})
+    with open(tmp_path / store.JOURNAL, "ab") as f:
+        f.write(b'{"key": "torn", "tu')  # as kill -9 mid-append leaves it
+    writer.close({})
+    on_disk = [e["key"] for e in store.read_records(tmp_path / store.JOURNAL, [])]
+    assert on_disk == ["failed", "in flight", "in flight"]  # the landed and the discarded prompt's entries are gone
+    assert store.scan(tmp_path).journal == {
+        "failed": [{"key": "failed", "turn": 0, "hash": "h", "message": {"content": "failed"}, "usage": {}}],
+        "in flight": [{"key": "in flight", "turn": t, "hash": h, "message": {"content": c}, "usage": {}}
+                      for t, h, c in ((0, "h", "in flight"), (1, "h2", "later"))]}

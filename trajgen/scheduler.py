@@ -206,9 +206,9 @@ class Scheduler:
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
                                     **self.counts)
                 if self.pool.inflight:
-                    for event in self.pool.cancel():
-                        if isinstance(event, Finished):
-                            self.record(event.outcome)
+                    for event in self.pool.cancel():  # what was already on its way: outcomes, and replies paid for
+                        if isinstance(event, (Finished, Replied)):
+                            self.handle(event)
                 if self.end.fatal:  # the prompts cut short are failed, so the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
