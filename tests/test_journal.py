@@ -124,7 +124,7 @@ def test_a_changed_tool_result_continues_live_from_the_first_differing_request(c
 
 def test_the_cache_answers_a_second_run_without_a_call(cli, scripted_server, tmp_path):
     server = scripted_server(_script() | {"prompts": {n: r for n, r in _script()["prompts"].items() if n not in GATED}})
-    names = [n for n in PROMPTS if n not in GATED]
+    names = [n for n in PROMPTS if n not in GATED] + ["p0"]  # a prompt repeated for another sample pays for its own
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     cache = tmp_path / "cache"
     assert cli.run(*cli.args(server, cache_dir=cache)).returncode == 0

@@ -35,8 +35,10 @@ def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict
 
 
 class Cache:
-    """The cross-run cache: one file per reply, named by its request hash, written atomically, so
-    runners sharing the directory never see half an entry. `trim` keeps it under its size."""
+    """The cross-run cache: one file per reply, named by the prompt's identity and the request
+    hash (so a prompt repeated in the dataset for more samples is never given its twin's replies),
+    written atomically, so runners sharing the directory never see half an entry. `trim` keeps it
+    under its size."""
 
     def __init__(self, directory: str):
         self.dir = Path(directory)
@@ -51,11 +53,12 @@ class Cache:
         except OSError as e:
             raise UsageError(f"--cache_dir {self.dir} cannot be written: {e.strerror or e}") from None
 
-    def path(self, digest: str) -> Path:
-        return self.dir / digest[:2] / f"{digest}.json"
+    def path(self, key: str, digest: str) -> Path:
+        name = hashlib.sha256(f"{key}:{digest}".encode()).hexdigest()
+        return self.dir / name[:2] / f"{name}.json"
 
-    def get(self, digest: str) -> Reply | None:
-        path = self.path(digest)
+    def get(self, key: str, digest: str) -> Reply | None:
+        path = self.path(key, digest)
         try:
             entry = orjson.loads(path.read_bytes())
             os.utime(path)  # recently used: trimmed last
@@ -63,9 +66,9 @@ class Cache:
         except (OSError, ValueError, KeyError, TypeError):  # absent, or damaged: ask the endpoint
             return None
 
-    def put(self, digest: str, reply: Reply) -> None:
+    def put(self, key: str, digest: str, reply: Reply) -> None:
         """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt."""
-        path = self.path(digest)
+        path = self.path(key, digest)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             store.atomic_write(path, orjson.dumps({"message": reply.message, "usage": reply.usage}))
@@ -76,8 +79,8 @@ class Cache:
         """Delete the least recently used entries until the cache fits; one trimmer at a time."""
         try:
             fd = locks.acquire(self.dir / ".trim.lock")
-        except locks.LockHeld:
-            return  # another runner is trimming it now
+        except (locks.LockHeld, OSError):
+            return  # another runner is trimming it now, or the directory is gone
         try:
             entries = []
             for path in self.dir.glob("??/*.json"):
@@ -115,14 +118,14 @@ class JournalModel:
         digest = request_hash(self.settings, messages, tools, forbid_tools)
         reply = self.journaled.get((turn, digest))
         if reply is None and self.cache is not None:
-            reply = await asyncio.to_thread(self.cache.get, digest)
+            reply = await asyncio.to_thread(self.cache.get, self.key, digest)
         if reply is not None:
             self._count(reply)
             return reply
         reply = await self.model.complete(messages, tools, forbid_tools)
         self.send(Replied(self.key, turn, digest, reply))
         if self.cache is not None:
-            await asyncio.to_thread(self.cache.put, digest, reply)
+            await asyncio.to_thread(self.cache.put, self.key, digest, reply)
         return reply
 
     def _count(self, reply: Reply) -> None:

@@ -1,10 +1,10 @@
 """The run directory. Only the parent process writes here, and only through this module.
 
 Files: batch_<N>.jsonl (ok rows), discarded.jsonl and failures.jsonl (side records),
-journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manifest.json (the run's settings), checkpoint.json (progress), statistics.json and
-trajectories.jsonl (the merge). Rows are appended as whole lines with one write and fsynced
-per batch; the JSON files are replaced atomically. Resume trusts the rows, not the checkpoint.
-Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
+journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manifest.json (the
+run's settings), checkpoint.json (progress), statistics.json and trajectories.jsonl (the merge).
+Rows are appended as whole lines with one write and fsynced per batch; the JSON files are
+replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
 next record; a full disk stops the run with DiskFull and the rows already written kept.
 """
 from __future__ import annotations
@@ -164,7 +164,7 @@ def scan(run_dir: Path) -> Scan:
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
     for entry in read_records(run_dir / JOURNAL, []):  # a torn entry is a reply asked for again
-        if entry.get("key") not in result.done:
+        if isinstance(entry.get("key"), str) and entry["key"] not in result.done:
             result.journal.setdefault(entry["key"], []).append(entry)
     for name in (CHECKPOINT, "statistics.json"):
         try:
