@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trajgen.model import Reply
 from trajgen.outcome import PromptOutcome
 from trajgen.work import Task
 
@@ -30,6 +31,16 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Replied:
+    """A reply paid for: the parent journals it, so that resume does not pay for it again."""
+
+    key: str
+    turn: int
+    request_hash: str
+    reply: Reply
+
+
+@dataclass(frozen=True)
 class Throttled:
     """The endpoint answered 429: the parent halves how many conversations it admits."""
 
@@ -49,4 +60,4 @@ class Cancelled:
     pass
 
 
-Event = Finished | Throttled | Fatal | Log | Cancelled
+Event = Finished | Replied | Throttled | Fatal | Log | Cancelled

@@ -63,6 +63,8 @@ class RunOptions:
     dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.")
     max_cost: float | None = flag(None, "Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).", minimum=0)
     max_total_tokens: int | None = flag(None, "Stop admitting prompts once this invocation has used this many tokens.", minimum=1)
+    cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.")
+    cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1)
     verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).")
     output_dir: str = flag("data", "Parent directory of run directories.")
     max_samples: int | None = flag(None, "Run only the first N valid prompts.", minimum=1)

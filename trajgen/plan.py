@@ -28,8 +28,10 @@ class Plan:
 
 
 def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: Distribution, seed: int,
-          batch_size: int, max_samples: int | None, first_batch: int, unavailable: dict[str, str]) -> Iterator[Task]:
-    """Every prompt without a final record, in dataset order, in consecutive batches of batch_size."""
+          batch_size: int, max_samples: int | None, first_batch: int, unavailable: dict[str, str],
+          journal: dict[str, list[dict]]) -> Iterator[Task]:
+    """Every prompt without a final record, in dataset order, in consecutive batches of batch_size;
+    each with its journaled replies (`journal`: prompt key -> entries), which it replays."""
     n = 0
     for entry in dataset.entries(path, check.duplicates, max_samples):
         if entry.key in done:
@@ -37,7 +39,8 @@ def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: 
         sampled = sample_toolsets(distribution, seed, entry.key)
         extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
         yield Task(entry.key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
-                   extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint)
+                   extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint,
+                   tuple(journal.get(entry.key, ())))
         n += 1
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, local_model, merge, registry, scheduler, store
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
@@ -45,7 +45,7 @@ class Prepared:
         opts = self.opts
         return plan_module.tasks(str(opts.dataset_file), self.check, self.scan.done,
                                  get_distribution(opts.distribution), opts.seed, opts.batch_size, opts.max_samples,
-                                 self.scan.next_batch, self.unavailable_sets)
+                                 self.scan.next_batch, self.unavailable_sets, self.scan.journal)
 
 
 def main(opts: RunOptions) -> int:
@@ -145,7 +145,8 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, opts.num_workers), opts.require_reasoning, opts.verbose)
+                          worker_share(opts.concurrency, opts.num_workers), opts.require_reasoning, opts.verbose,
+                          opts.cache_dir)
     workers = min(opts.num_workers, max(1, prepared.plan.remaining))
     if opts.executor == "processes":
         pool = ProcessPool(workers, config)
@@ -154,8 +155,14 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
         pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory)
     limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
                               opts.max_total_tokens, health_check)
+    cache = journal.Cache(opts.cache_dir) if opts.cache_dir else None
+    if cache:
+        cache.open()
     run = scheduler.Scheduler(prepared.plan, pool, limits, run_dir, missing_images, previous, started)
-    return run.execute(prepared.tasks(), on_exit=lambda: cleanup(sandbox)), previous
+    end = run.execute(prepared.tasks(), on_exit=lambda: cleanup(sandbox))
+    if cache:
+        cache.trim(int(opts.cache_max_mb * 2**20))
+    return end, previous
 
 
 def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, started: float) -> int:

@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
-from trajgen import console, store
+from trajgen import console, journal, store
 from trajgen.errors import ImageUnavailable, RunStopped
-from trajgen.messages import Event, Fatal, Finished, Log, Throttled
+from trajgen.messages import Event, Fatal, Finished, Log, Replied, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
@@ -84,9 +84,12 @@ class _Spend:
         self.limits, self.cost, self.tokens = limits, 0.0, 0
 
     def add(self, row: dict) -> None:
+        """What this invocation paid: the row's usage less the replies it replayed."""
         usage = row["metadata"]["usage"]
-        self.cost += usage.get("cost") or 0.0
-        self.tokens += usage["prompt_tokens"] + usage["completion_tokens"]
+        replayed = usage.get("replayed") or journal.empty_replayed()
+        self.cost += (usage.get("cost") or 0.0) - (replayed["cost"] or 0.0)
+        self.tokens += (usage["prompt_tokens"] + usage["completion_tokens"]
+                        - replayed["prompt_tokens"] - replayed["completion_tokens"])
 
     def exceeded(self) -> str | None:
         s = self.limits
@@ -168,6 +171,8 @@ class Scheduler:
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
+            case Replied():
+                self.writer.journal(journal.entry(event))
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
                 self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
             case Fatal(reason):
@@ -201,9 +206,9 @@ class Scheduler:
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
                                     **self.counts)
                 if self.pool.inflight:
-                    for event in self.pool.cancel():
-                        if isinstance(event, Finished):
-                            self.record(event.outcome)
+                    for event in self.pool.cancel():  # what was already on its way: outcomes, and replies paid for
+                        if isinstance(event, (Finished, Replied)):
+                            self.handle(event)
                 if self.end.fatal:  # the prompts cut short are failed, so the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))

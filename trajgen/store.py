@@ -1,10 +1,10 @@
 """The run directory. Only the parent process writes here, and only through this module.
 
 Files: batch_<N>.jsonl (ok rows), discarded.jsonl and failures.jsonl (side records),
-manifest.json (the run's settings), checkpoint.json (progress), statistics.json and
-trajectories.jsonl (the merge). Rows are appended as whole lines with one write and fsynced
-per batch; the JSON files are replaced atomically. Resume trusts the rows, not the checkpoint.
-Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
+journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manifest.json (the
+run's settings), checkpoint.json (progress), statistics.json and trajectories.jsonl (the merge).
+Rows are appended as whole lines with one write and fsynced per batch; the JSON files are
+replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
 next record; a full disk stops the run with DiskFull and the rows already written kept.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ BATCH_FILE = re.compile(r"batch_(\d+)\.jsonl$")
 DISCARDED = "discarded.jsonl"
 FAILURES = "failures.jsonl"
 CHECKPOINT = "checkpoint.json"
+JOURNAL = "journal.jsonl"
 LOCK = ".runner.lock"
 REPAIR = {  # what to do about an unreadable JSON file of the run directory
     "manifest.json": "pass --resume --force to write it again with this run's settings",
@@ -143,6 +144,7 @@ class Scan:
     next_batch: int = 0
     torn: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # damaged or missing files, said at the start
+    journal: dict[str, list[dict]] = field(default_factory=dict)  # prompt key -> its journaled replies, if not done
 
 
 def row_key(row: dict) -> str | None:
@@ -161,6 +163,9 @@ def scan(run_dir: Path) -> Scan:
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
+    for entry in read_records(run_dir / JOURNAL, []):  # a torn entry is a reply asked for again
+        if isinstance(entry.get("key"), str) and entry["key"] not in result.done:
+            result.journal.setdefault(entry["key"], []).append(entry)
     for name in (CHECKPOINT, "statistics.json"):
         try:
             read_json(run_dir / name)
@@ -175,11 +180,25 @@ def scan(run_dir: Path) -> Scan:
     return result
 
 
+def _without(lines: bytes, landed: frozenset[str]) -> bytes:
+    """The whole, parseable journal lines of `lines` whose prompt has not landed."""
+    kept = []
+    for line in lines.splitlines(keepends=True):
+        try:
+            entry = orjson.loads(line) if line.endswith(b"\n") else None
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("key") not in landed:
+            kept.append(line)
+    return b"".join(kept)
+
+
 class Writer:
     """Appends rows and side records as whole lines. Batch files are opened on their first row;
     when a batch ends, a background thread fsyncs and closes it and then writes the latest
     checkpoint, so the scheduler never waits on the disk. The checkpoint lists the batch files,
-    so that resume can say which were deleted."""
+    so that resume can say which were deleted. The same thread compacts the journal: the entries
+    of prompts that landed are dropped, so it holds only the replies of prompts in flight or failed."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -190,6 +209,12 @@ class Writer:
         self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
         self._jobs: queue.Queue = queue.Queue()
         self._checkpoint: dict | None = None  # the latest payload not yet written
+        self.journal_fd = self._open(run_dir / JOURNAL)
+        self._journal_lock = threading.Lock()  # appends wait while a compaction swaps the file
+        self.landed: set[str] = set()  # prompts whose journal entries can go at the next compaction
+        if os.fstat(self.journal_fd).st_size:  # an earlier run may have died before compacting it
+            self.landed = scan(run_dir).done
+            self._compact_later()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
@@ -223,15 +248,54 @@ class Writer:
             self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
             self.files.add(batch_num)
         self._append(self.batches[batch_num], row)
+        self.landed.add(row_key(row))
 
     def discarded(self, record: dict) -> None:
         self._append(self.side[DISCARDED], record)
+        self.landed.add(record["prompt_key"])
+
+    def journal(self, entry: dict) -> None:
+        with self._journal_lock:
+            self._append(self.journal_fd, entry)
+
+    def _compact_later(self) -> None:
+        """Queued after the rows of the landed prompts, so their entries go only once they are on disk."""
+        if self.landed:
+            self._jobs.put(("compact", frozenset(self.landed)))
+            self.landed = set()
+
+    def _compact(self, landed: frozenset[str]) -> None:
+        """Rewrite the journal without the landed prompts' entries. Appends wait only while the
+        few lines added during the rewrite are copied and the file is swapped."""
+        path = self.paths[self.journal_fd]
+        with open(path, "rb") as f:
+            data = f.read()
+        done = data.rfind(b"\n") + 1  # whole lines only: an append may be under way
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with writing(path), os.fdopen(fd, "wb") as f:
+                f.write(_without(data[:done], landed))
+                f.flush()
+                os.fsync(f.fileno())
+                with self._journal_lock:
+                    size = os.fstat(self.journal_fd).st_size
+                    f.write(_without(os.pread(self.journal_fd, size - done, done), landed))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                    old, self.journal_fd = self.journal_fd, self._open(path)
+                    os.close(old)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
     def failed(self, record: dict) -> None:
         self._append(self.side[FAILURES], record)
 
     def end_batch(self, batch_num: int) -> None:
         self._jobs.put(self.batches.pop(batch_num, None))
+        self._compact_later()
 
     def checkpoint(self, payload: dict) -> None:
         """Written after everything queued before it is on disk; newer payloads replace older unwritten ones."""
@@ -248,8 +312,10 @@ class Writer:
                     with self._lock:
                         payload, self._checkpoint = self._checkpoint, None
                     write_json(self.run_dir / CHECKPOINT, payload)
+                elif isinstance(job, tuple):
+                    self._compact(job[1])
                 else:
-                    for fd in self.side.values():
+                    for fd in (*self.side.values(), self.journal_fd):
                         with writing(self.paths[fd]):
                             os.fsync(fd)
                     if job is not None:
@@ -263,11 +329,12 @@ class Writer:
         """Flush everything; the final checkpoint is written last, after every batch is on disk."""
         for batch_num in list(self.batches):
             self.end_batch(batch_num)
+        self._compact_later()
         self._jobs.put(None)
         self.checkpoint(final_checkpoint)
         self._jobs.put("stop")
         self._thread.join()
-        for fd in self.side.values():
+        for fd in (*self.side.values(), self.journal_fd):
             os.close(fd)
         self.side = {}
         if self._error:

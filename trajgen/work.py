@@ -40,6 +40,7 @@ class WorkerConfig:
     concurrency: int  # conversations this worker may hold at once
     require_reasoning: bool = True  # a row with no reasoning at all is discarded
     verbose: bool = False
+    cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,4 @@ class Task:
     toolsets_sampled: list[str]
     toolsets_offered: list[str]
     dataset_fingerprint: str = ""  # of the whole dataset file (manifest.json), so a row names its source
+    replay: tuple[dict, ...] = ()  # on --resume, this prompt's journaled replies (trajgen/journal.py)

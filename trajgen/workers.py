@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
-from trajgen import agent, llm, registry
+from trajgen import agent, journal, llm, registry
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
 from trajgen.model import OpenAIModel
@@ -58,6 +58,7 @@ class _Worker:
         self.config, self.send = config, send
         self.client = llm.make_client(config.model, config.concurrency)
         self.model = OpenAIModel(self.client, config.model, on_throttle=lambda: self.send(Throttled()))
+        self.cache = journal.Cache(config.cache_dir) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
 
@@ -85,10 +86,11 @@ class _Worker:
 
     async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
         tools, schemas = self.tools_for(task.toolsets_offered)
+        model = journal.JournalModel(self.model, self.config.model, task, self.send, self.cache)
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
             async with deadline:
-                conversation = await agent.run_conversation(task.prompt, self.model, self.config.model, tools,
+                conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
@@ -97,6 +99,7 @@ class _Worker:
         except Exception as e:  # any other error fails this prompt only; resume retries it
             return decide(task, error=e)
         row = agent.render_row(task, conversation, self.config.model)
+        row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
         return decide(task, row=row, require_reasoning=self.config.require_reasoning)
 
     async def serve(self, conn: Connection) -> None:

@@ -1,0 +1,176 @@
+"""Never pay for a reply twice: kill -9 mid-conversation, resume, and count at the scripted server.
+
+Multi-turn prompts whose tools are deterministic; the kill points are made exact by gated
+replies (held by the server until the test opens them). Plus the request hash, and the
+opt-in cross-run cache."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from tests.conftest import kill_group, read_jsonl, think, write_jsonl
+from tests.test_hardening import _asked, _wait_for
+from trajgen import journal, store
+from trajgen.work import ModelSettings
+
+GATED = {"p1": (1, "kill1"), "p3": (2, "kill1"), "p2": (3, "kill2")}  # prompt -> (turn held, gate)
+PROMPTS = [f"p{i}" for i in range(6)]
+
+
+def _turn(command: str, call_id: str, gate: str | None = None) -> dict:
+    reply = {"tool_calls": [{"name": "terminal", "arguments": {"command": command}, "id": call_id}],
+             "reasoning": "a tool", "usage": {"cost": 0.01}}
+    return {**reply, "gate": gate} if gate else reply
+
+
+def _script() -> dict:
+    """Three deterministic tool turns, then an answer; some turns held at a gate."""
+    prompts = {}
+    for name in PROMPTS:
+        replies = [_turn(f"echo {name} {t}", f"{name}-c{t}") for t in range(3)] + [{**think(f"{name} done"), "usage": {"cost": 0.01}}]
+        if name in GATED:
+            turn, gate = GATED[name]
+            replies[turn] = {**replies[turn], "gate": gate}
+        prompts[name] = replies
+    return {"prompts": prompts}
+
+
+def _landed(run_dir) -> set[str]:
+    torn: list[str] = []
+    return {store.row_key(r) for _, p in store.batch_files(run_dir) for r in store.read_records(p, torn)}
+
+
+def _journaled(run_dir) -> Counter:
+    """Journal entries per prompt key, of prompts that have not landed."""
+    landed = _landed(run_dir)
+    return Counter(e["key"] for e in store.read_records(run_dir / store.JOURNAL, []) if e["key"] not in landed)
+
+
+def _comparable(run_dir) -> tuple[list[dict], dict]:
+    """Rows and statistics without what differs between any two runs: timing, batch numbers, the replay count."""
+    rows = sorted(read_jsonl(run_dir / "trajectories.jsonl"), key=lambda r: r["conversations"][1]["value"])
+    for row in rows:
+        meta = row["metadata"]
+        for name in ("timestamp", "batch_num"):
+            meta.pop(name)
+        meta["usage"].pop("wall_seconds")
+        meta["usage"].pop("replayed")
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    for name in ("run_name", "duration_seconds", "duration_seconds_total", "total_batches", "generated_at"):
+        stats.pop(name, None)
+    return rows, stats
+
+
+def test_kill_9_mid_conversation_then_resume_pays_no_reply_twice(cli, scripted_server):
+    server = scripted_server(_script())
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in PROMPTS])
+    args = cli.args(server, batch_size=2, concurrency=8)
+    held_at = {(name, turn) for name, (turn, _) in GATED.items()}
+
+    # kill 1: three prompts held at turns 1, 2 and 3, their earlier replies journaled; the rest landed
+    first = cli.start(*args)
+    _wait_for(lambda: held_at <= set(_asked(server)) and len(_landed(cli.run_dir())) == 3
+              and sorted(_journaled(cli.run_dir()).values()) == [1, 2, 3])
+    kill_group(first)
+    asked_first = _asked(server)
+    assert all(n == 1 for n in asked_first.values())
+
+    # kill 2: p1 and p3 go on from their held turn and land; p2 replays three turns and is held again
+    server.open_gate("kill1")
+    second = cli.start(*args, "--resume")
+    _wait_for(lambda: _asked(server)[("p2", 3)] == 2 and len(_landed(cli.run_dir())) == 5)
+    kill_group(second)
+
+    server.open_gate("kill2")
+    done = cli.run(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    asked = _asked(server)
+    # every reply that had arrived was asked for once; only the held requests were sent again
+    expected = Counter({(name, turn): 1 for name in PROMPTS for turn in range(4)})
+    expected.update({("p1", 1): 1, ("p3", 2): 1, ("p2", 3): 2})
+    assert asked == expected
+    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert sorted(r["conversations"][1]["value"] for r in rows) == PROMPTS
+    replayed = {r["conversations"][1]["value"]: r["metadata"]["usage"]["replayed"]["turns"] for r in rows}
+    assert replayed == {"p0": 0, "p4": 0, "p5": 0, "p1": 1, "p3": 2, "p2": 3}
+    assert not (cli.run_dir() / store.JOURNAL).read_bytes()  # every prompt landed: nothing left in flight
+
+    # the same rows, usage and statistics as a run that was never interrupted
+    clean = cli.run(*cli.args(server, run_name="clean", batch_size=2, concurrency=8))
+    assert clean.returncode == 0, clean.stderr
+    assert _comparable(cli.run_dir()) == _comparable(cli.run_dir("clean"))
+
+
+def test_a_changed_tool_result_continues_live_from_the_first_differing_request(cli, scripted_server):
+    # the first tool call outlives --command_timeout=1 on resume: its result, and every request after it, differ
+    server = scripted_server({"prompts": {"p": [
+        _turn("sleep 2 && echo slow", "c0"), _turn("echo one", "c1"), _turn("echo two", "c2", gate="held"),
+        think("done")]}})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    first = cli.start(*cli.args(server, command_timeout=60))
+    _wait_for(lambda: _asked(server)[("p", 2)] == 1 and sum(_journaled(cli.run_dir()).values()) == 2)
+    kill_group(first)
+    before = server.requests()
+    server.open_gate("held")
+    done = cli.run(*cli.args(server, command_timeout=1, resume=True))
+    assert done.returncode == 0, done.stderr
+    resumed = server.requests()[len(before):]
+    assert [r["turn"] for r in resumed] == [1, 2, 3]  # turn 0 replayed, the rest sent for real
+    tool_result = [m for m in resumed[0]["body"]["messages"] if m["role"] == "tool"][0]["content"]
+    assert "slow" not in tool_result and "slow" in [m for m in before[1]["body"]["messages"] if m["role"] == "tool"][0]["content"]
+    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    assert row["metadata"]["usage"]["replayed"]["turns"] == 1 and row["api_calls"] == 4
+
+
+def test_the_cache_answers_a_second_run_without_a_call(cli, scripted_server, tmp_path):
+    server = scripted_server(_script() | {"prompts": {n: r for n, r in _script()["prompts"].items() if n not in GATED}})
+    names = [n for n in PROMPTS if n not in GATED] + ["p0"]  # a prompt repeated for another sample pays for its own
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    cache = tmp_path / "cache"
+    assert cli.run(*cli.args(server, cache_dir=cache)).returncode == 0
+    paid = len(server.requests())
+    assert paid == 4 * len(names)
+    again = cli.run(*cli.args(server, run_name="again", cache_dir=cache))
+    assert again.returncode == 0, again.stderr
+    assert len(server.requests()) == paid
+    assert _comparable(cli.run_dir()) == _comparable(cli.run_dir("again"))
+    changed = cli.run(*cli.args(server, run_name="hotter", cache_dir=cache, temperature=0.5))
+    assert changed.returncode == 0 and len(server.requests()) == 2 * paid  # another setting: nothing reused
+
+
+def test_the_request_hash_covers_everything_that_changes_the_reply():
+    settings = ModelSettings("m", "http://127.0.0.1:1/v1", "key", system_prompt="s")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "terminal", "parameters": {}}}]
+    base = journal.request_hash(settings, messages, tools, False)
+    assert base == journal.request_hash(ModelSettings("m", "http://127.0.0.1:2/v1", "other key", system_prompt="s"),
+                                        [dict(m) for m in messages], tools, False)
+    variants = [
+        (ModelSettings("m2", "", "key"), messages, tools, False),
+        (ModelSettings("m", "", "key", temperature=0.5), messages, tools, False),
+        (ModelSettings("m", "", "key", extra_body={"provider": {"order": ["a"]}}), messages, tools, False),
+        (settings, [{"role": "system", "content": "t"}, messages[1]], tools, False),
+        (settings, messages, [{"type": "function", "function": {"name": "terminal", "parameters": {"x": 1}}}], False),
+        (settings, messages, tools, True),
+    ]
+    assert len({base, *(journal.request_hash(*v) for v in variants)}) == 1 + len(variants)
+
+
+def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_path):
+    writer = store.Writer(tmp_path)
+    for key in ("landed", "discarded", "failed", "in flight"):
+        writer.journal({"key": key, "turn": 0, "hash": "h", "message": {"content": key}, "usage": {}})
+    writer.row(0, {"metadata": {"prompt_key": "landed"}})
+    writer.discarded({"prompt_key": "discarded", "reason": "no reasoning"})
+    writer.failed({"prompt_key": "failed", "error_class": "InternalServerError"})
+    writer.end_batch(0)
+    writer.journal({"key": "in flight", "turn": 1, "hash": "h2", "message": {"content": "later"}, "usage": {}})
+    with open(tmp_path / store.JOURNAL, "ab") as f:
+        f.write(b'{"key": "torn", "tu')  # as kill -9 mid-append leaves it
+    writer.close({})
+    on_disk = [e["key"] for e in store.read_records(tmp_path / store.JOURNAL, [])]
+    assert on_disk == ["failed", "in flight", "in flight"]  # the landed and the discarded prompt's entries are gone
+    assert store.scan(tmp_path).journal == {
+        "failed": [{"key": "failed", "turn": 0, "hash": "h", "message": {"content": "failed"}, "usage": {}}],
+        "in flight": [{"key": "in flight", "turn": t, "hash": h, "message": {"content": c}, "usage": {}}
+                      for t, h, c in ((0, "h", "in flight"), (1, "h2", "later"))]}
