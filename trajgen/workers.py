@@ -19,7 +19,7 @@ from typing import Callable
 from trajgen import agent, llm, registry
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
-from trajgen.model import OpenAIModel
+from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
 from trajgen.sandbox.config import open_sandbox
@@ -86,16 +86,18 @@ class _Worker:
     async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
         tools, schemas = self.tools_for(task.toolsets_offered)
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
+        model = Metered(self.model)  # a failed prompt still counts what it paid for
         try:
             async with deadline:
-                conversation = await agent.run_conversation(task.prompt, self.model, self.config.model, tools,
+                conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
-                return decide(task, error=e)
-            return decide(task, error=PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s"))
+                return decide(task, error=e, usage=model.usage)
+            timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
+            return decide(task, error=timeout, usage=model.usage)
         except Exception as e:  # any other error fails this prompt only; resume retries it
-            return decide(task, error=e)
+            return decide(task, error=e, usage=model.usage)
         row = agent.render_row(task, conversation, self.config.model)
         return decide(task, row=row, require_reasoning=self.config.require_reasoning)
 
