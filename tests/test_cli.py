@@ -189,7 +189,8 @@ def test_failed_prompt_gives_exit_1_and_is_not_a_row(cli, scripted_server):
     rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
     assert [r["conversations"][1]["value"] for r in rows] == ["good"]
     statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
-    assert statistics["failed"] == {"total": 1, "by_class": {"BadRequestError": 1}}
+    assert statistics["failed"] == {"total": 1, "by_class": {"BadRequestError": 1}, "attempts": 1,
+                                    "tokens": {"prompt": 0, "completion": 0, "reasoning": 0}, "cost": None}
 
 
 def test_turn_budget_forces_a_final_answer(cli, scripted_server):

@@ -76,13 +76,13 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     assert (end.failed, end.not_run, end.fatal, end.budget) == (1, 0, None, None)
     assert [n for n, _ in store.batch_files(tmp_path)] == [0, 1, 2]
     failure = json.loads((tmp_path / store.FAILURES).read_text())
-    assert failure["error_class"] == "ValueError" and 'raise ValueError("bad")' in failure["traceback"]
+    assert failure["error_class"] == "InternalError" and 'raise ValueError("bad")' in failure["traceback"]
     checkpoint = store.read_json(tmp_path / "checkpoint.json")
     assert checkpoint["next_batch"] == 3 and checkpoint["batches_open"] == []
     assert checkpoint["counts_this_invocation"] == {"ok": 3, "discarded": 1, "failed": 1}
     stats = merge.statistics(merge.merge(tmp_path, keep_hallucinated=False), {})
     assert (stats["kept"], stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == (
-        3, {"no_reasoning": 1}, {"ValueError": 1})
+        3, {"no_reasoning": 1}, {"InternalError": 1})
     assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
 
 

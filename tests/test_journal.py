@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import orjson
+
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
 from tests.test_hardening import _asked, _wait_for
 from trajgen import journal, store
@@ -48,7 +50,7 @@ def _journaled(run_dir) -> Counter:
 
 def _comparable(run_dir) -> tuple[list[dict], dict]:
     """Rows and statistics without what differs between any two runs: timing, batch numbers, the replay count."""
-    rows = sorted(read_jsonl(run_dir / "trajectories.jsonl"), key=lambda r: r["conversations"][1]["value"])
+    rows = sorted(read_jsonl(run_dir / "trajectories.jsonl"), key=lambda r: (r["conversations"][1]["value"], r["prompt_index"]))
     for row in rows:
         meta = row["metadata"]
         for name in ("timestamp", "batch_num"):
@@ -160,7 +162,7 @@ def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_pa
     writer = store.Writer(tmp_path)
     for key in ("landed", "discarded", "failed", "in flight"):
         writer.journal({"key": key, "turn": 0, "hash": "h", "message": {"content": key}, "usage": {}})
-    writer.row(0, {"metadata": {"prompt_key": "landed"}})
+    writer.row(0, "landed", orjson.Fragment(orjson.dumps({"metadata": {"prompt_key": "landed"}})))
     writer.discarded({"prompt_key": "discarded", "reason": "no reasoning"})
     writer.failed({"prompt_key": "failed", "error_class": "InternalServerError"})
     writer.end_batch(0)

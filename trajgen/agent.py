@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from trajgen import registry, trajectory
-from trajgen.model import ModelClient, Reply
+from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.work import ModelSettings, Task
 
 FINAL_ANSWER_REQUEST = "You have used all your tool-calling turns. Give your final answer now, without calling tools."
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
 
 
 @dataclass
@@ -29,7 +28,7 @@ class Conversation:
     replies: list[dict] = field(default_factory=list)  # each assistant message as the endpoint returned it
     served_by: list[dict] = field(default_factory=list)  # each distinct model/provider the responses named
     results: list[dict] = field(default_factory=list)  # each tool result, in the order of the tool messages
-    usage: dict = field(default_factory=lambda: {**dict.fromkeys(USAGE_KEYS, 0), "cost": None})
+    usage: dict = field(default_factory=no_usage)
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     wall_seconds: float = 0.0
     ended_at: str = ""
@@ -39,10 +38,7 @@ class Conversation:
         self.replies.append(reply.message)
         if reply.served_by and reply.served_by not in self.served_by:
             self.served_by.append(reply.served_by)
-        for key in USAGE_KEYS:
-            self.usage[key] += reply.usage.get(key, 0)
-        if reply.usage.get("cost") is not None:
-            self.usage["cost"] = (self.usage["cost"] or 0.0) + reply.usage["cost"]
+        add_usage(self.usage, reply.usage)
         calls = [] if final_call else [
             {"id": c.get("id") or f"call_{len(self.replies)}_{i}", "type": "function",
              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments")}}

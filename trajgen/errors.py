@@ -1,7 +1,8 @@
 """Errors that decide a prompt's final state or stop the run.
 
 A failed prompt records the class name of its error; resume retries it. Anything not listed
-here that escapes a conversation also makes the prompt failed, with its traceback kept.
+here (nor an error of the openai client) that escapes a conversation fails the prompt as
+InternalError, with its traceback kept.
 """
 
 
@@ -38,7 +39,28 @@ class ProviderError(Exception):
 
 
 class MalformedResponse(Exception):
-    """The endpoint answered 200 with a body that is not a chat completion (not JSON, no `choices`, `choices: []`)."""
+    """The endpoint answered 200 with something that is not a usable chat completion: a body that is
+    not JSON, no `choices`, `choices: []`, a tool call without a function name or with ids that clash.
+    `usage` is what that reply cost, when it said: it was paid for all the same."""
+
+    def __init__(self, message: str, usage: dict | None = None):
+        super().__init__(message)
+        self.usage = usage or {}
+
+
+class EmptyAnswer(MalformedResponse):
+    """The reply has neither content nor tool calls: no answer to train on, and usually a glitch
+    (a retry answers), so the prompt fails and --resume asks it again."""
+
+
+class InternalError(Exception):
+    """An error nobody foresaw ended the prompt (a bug of ours or of a tool): failures.jsonl names
+    this class, with the original error in the message and its traceback kept for a report."""
+
+
+class RowNotSerializable(InternalError):
+    """The worker could not write the prompt's row as JSON; checked where the row is made, so the
+    parent never meets a bad row."""
 
 
 class DiskFull(Exception):

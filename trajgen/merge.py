@@ -41,7 +41,9 @@ class Tally:
         self.assistant_turns += meta.get("assistant_turns", 0)
         self.turns_with_reasoning += meta.get("turns_with_reasoning", 0)
         self.api_calls += row.get("api_calls", 0)
-        usage = meta.get("usage") or {}
+        self.add_usage(meta.get("usage") or {})
+
+    def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
         self.reasoning_tokens += usage.get("reasoning_tokens", 0)
@@ -73,6 +75,7 @@ class Merged:
     discarded: Tally = field(default_factory=Tally)
     discarded_by_reason: Counter = field(default_factory=Counter)
     failed_by_class: Counter = field(default_factory=Counter)
+    failed_attempts: Tally = field(default_factory=Tally)  # the usage of every failure record: each attempt paid once
     batch_files: int = 0
     duplicates_skipped: int = 0
     torn: list[str] = field(default_factory=list)
@@ -117,6 +120,8 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
     latest: dict[str, str] = {}
     for record in store.read_records(run_dir / store.FAILURES, result.torn):
         latest[record.get("prompt_key")] = record.get("error_class", "Exception")
+        result.failed_attempts.rows += 1
+        result.failed_attempts.add_usage(record.get("usage") or {})
     result.failed_by_class.update(cls for key, cls in latest.items() if key not in seen)
     return result
 
@@ -124,13 +129,16 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
 def statistics(merged: Merged, header: dict) -> dict:
     """statistics.json: `header` holds the run's settings and durations."""
     everything = merged.kept + merged.hallucinated + merged.discarded
+    paid = everything + merged.failed_attempts
     turns = everything.assistant_turns
     return {
         **header,
         "ok": merged.kept.rows + merged.hallucinated.rows,
         "kept": merged.kept.rows,
         "discarded": {"total": merged.discarded.rows, "by_reason": dict(merged.discarded_by_reason)},
-        "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class)},
+        "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class),
+                   "attempts": merged.failed_attempts.rows, "tokens": _tokens(merged.failed_attempts),
+                   "cost": merged.failed_attempts.cost},
         "filtered_hallucinated": merged.hallucinated.rows,
         "total_batches": merged.batch_files,
         "tool_statistics": merged.kept.tool_statistics(),
@@ -145,12 +153,12 @@ def statistics(merged: Merged, header: dict) -> dict:
             "coverage_percent": round(100 * everything.turns_with_reasoning / turns, 2) if turns else 0.0,
         },
         "api_calls": everything.api_calls,
-        "tokens": {
-            "prompt": everything.prompt_tokens,
-            "completion": everything.completion_tokens,
-            "reasoning": everything.reasoning_tokens,
-        },
-        "cost": everything.cost,
+        "tokens": _tokens(paid),
+        "cost": paid.cost,
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
     }
+
+
+def _tokens(tally: Tally) -> dict:
+    return {"prompt": tally.prompt_tokens, "completion": tally.completion_tokens, "reasoning": tally.reasoning_tokens}

@@ -2,16 +2,22 @@
 
 `OpenAIModel` is the real endpoint (one retry policy, in trajgen/llm.py); `ScriptedModel` replays
 replies in process, so the loop can be tested without HTTP (mini-swe-agent's DeterministicModel).
+Both hand the loop only checked replies (`checked`): a reply the loop cannot use faithfully fails
+its prompt here, as MalformedResponse, and never reaches a row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import openai
+import orjson
 
 from trajgen import llm
+from trajgen.errors import EmptyAnswer, MalformedResponse
 from trajgen.work import ModelSettings
+
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
 
 
 @dataclass(frozen=True)
@@ -38,17 +44,105 @@ class OpenAIModel:
         response = await llm.complete(self.client, self.settings, messages, tools, self.on_throttle, forbid_tools)
         provider = (response.model_extra or {}).get("provider")
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
-        return Reply(response.choices[0].message.model_dump(exclude_none=True), _usage(response.usage), served_by)
+        # the SDK builds its models without validation, so these are the endpoint's values as sent
+        reply = checked(_raw(response.choices[0].message), _usage(_raw(response.usage)))
+        return replace(reply, served_by=served_by)
+
+
+def _raw(value):
+    return value.model_dump(exclude_none=True, warnings=False) if isinstance(value, openai.BaseModel) else value
+
+
+def _short(value) -> str:
+    return orjson.dumps(value, default=repr).decode()[:200]
 
 
 def _usage(usage) -> dict:
+    """Token counts and cost of one reply; counts that are not counts are refused, since the
+    spend limits rely on them."""
     if usage is None:
         return {}
-    details = usage.completion_tokens_details
-    cost = (usage.model_extra or {}).get("cost")
-    return {"prompt_tokens": usage.prompt_tokens or 0, "completion_tokens": usage.completion_tokens or 0,
-            "reasoning_tokens": (details.reasoning_tokens or 0) if details else 0,
-            "cost": cost if isinstance(cost, (int, float)) else None}
+    if not isinstance(usage, dict):
+        raise MalformedResponse(f"the reply's usage is not an object: {_short(usage)}")
+    details = usage.get("completion_tokens_details")
+    counts = {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0),
+              "reasoning_tokens": details.get("reasoning_tokens", 0) if isinstance(details, dict) else 0}
+    for key, value in counts.items():
+        if type(value) is not int or value < 0:
+            raise MalformedResponse(f"the reply's usage has {key} {_short(value)}, not a token count")
+    cost = usage.get("cost")
+    return {**counts, "cost": cost if type(cost) in (int, float) and 0 <= cost < float("inf") else None}
+
+
+def no_usage() -> dict:
+    return {**dict.fromkeys(USAGE_KEYS, 0), "cost": None}
+
+
+def add_usage(total: dict, usage: dict) -> None:
+    for key in USAGE_KEYS:
+        total[key] += usage.get(key, 0)
+    if usage.get("cost") is not None:
+        total["cost"] = (total["cost"] or 0.0) + usage["cost"]
+
+
+def checked(message: dict, usage: dict) -> Reply:
+    """The reply as the loop may use it, or MalformedResponse saying what the endpoint did.
+
+    The only repair is lossless: arguments sent as a JSON object are encoded to the string the API
+    specifies, and the transcript carries that string, so the row replays exactly what was sent
+    back to the model (a call without an id gets one from the loop, likewise). Anything that would
+    change the data is refused: a call without a function or a string function name, arguments of
+    another type, two calls with one id, content that is not text, a reply with nothing in it."""
+    def bad(what: str) -> MalformedResponse:
+        return MalformedResponse(f"the reply {what}", usage)
+
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise bad(f"has content that is not text: {_short(content)}")
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise bad(f"has tool_calls that are not a list: {_short(calls)}")
+    clean, ids = [], set()
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad(f"has a tool call without a function: {_short(call)}")
+        name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
+        if not isinstance(name, str) or not name:
+            raise bad(f"has a tool call whose function name is {'missing' if name is None else 'not a string'}: "
+                      f"{_short(call)}")
+        if isinstance(arguments, dict):
+            arguments = orjson.dumps(arguments).decode()
+        elif not isinstance(arguments, str):
+            raise bad(f"has a tool call whose arguments are not a JSON string or object: {_short(call)}")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad(f"has a tool call whose id is not a string: {_short(call)}")
+        if call_id and call_id in ids:
+            raise bad(f"has two tool calls with the id {call_id!r}")
+        ids.add(call_id)
+        clean.append({**({"id": call_id} if call_id else {}), "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    if not clean and not (content or "").strip():
+        raise EmptyAnswer("the reply has neither content nor tool calls (an empty answer)", usage)
+    return Reply({**message, "tool_calls": clean} if clean else {k: v for k, v in message.items() if k != "tool_calls"},
+                 usage)
+
+
+class Metered:
+    """A prompt's model, summing the usage of every reply it paid for, a malformed one included,
+    so a prompt that fails after paid calls still counts them."""
+
+    def __init__(self, model: ModelClient):
+        self.model, self.usage = model, no_usage()
+
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+        try:
+            reply = await self.model.complete(messages, tools, forbid_tools)
+        except MalformedResponse as e:
+            add_usage(self.usage, e.usage)
+            raise
+        add_usage(self.usage, reply.usage)
+        return reply
 
 
 class ScriptedModel:
@@ -65,7 +159,7 @@ class ScriptedModel:
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
-        return reply
+        return checked(reply.message, reply.usage)
 
 
 def tool_call(name: str, arguments: str = "{}", call_id: str | None = None) -> dict:

@@ -1,18 +1,22 @@
 """A prompt's final state, decided in one place: ok, discarded or failed, with the reason.
 
 The worker decides it when the conversation ends; the parent decides it for prompts that never
-reached a worker (an image that cannot be pulled) or whose worker died. The store writes it
-as it is: ok rows to the batch files, discarded and failed to their side records.
+reached a worker (an image that cannot be pulled) or whose worker died. The row is serialised
+here, once, in the worker: a row that is not JSON fails its prompt where it was made, and the
+parent writes the bytes as they are (ok rows to the batch files, discarded and failed to their
+side records), so it never discovers a bad row and never encodes one again.
 """
 from __future__ import annotations
 
 import enum
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
+import orjson
 
 from trajgen import errors, llm
+from trajgen.model import no_usage
 from trajgen.work import Task
 
 OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped,
@@ -31,21 +35,40 @@ class PromptOutcome:
     prompt_index: int
     batch_num: int
     status: Status
-    row: dict | None = None  # the rendered row (ok and discarded)
+    row: bytes | None = None  # the rendered row as JSON (ok and discarded)
+    usage: dict = field(default_factory=no_usage)  # what it paid: its row's, or, failed, that of the replies it got
     reason: str | None = None  # why it was discarded, or the error's class when it failed
     message: str | None = None  # the error, in one line
     traceback: str | None = None  # only for an error nobody foresaw
 
 
 def decide(task: Task, row: dict | None = None, error: BaseException | None = None,
-           require_reasoning: bool = True) -> PromptOutcome:
-    """The outcome of a conversation that returned `row` or raised `error`."""
+           require_reasoning: bool = True, usage: dict | None = None) -> PromptOutcome:
+    """The outcome of a conversation that returned `row` or raised `error` after paying `usage`."""
     base = (task.key, task.prompt_index, task.batch_num)
+    data = None
+    if error is None:
+        usage = row["metadata"]["usage"]
+        try:
+            data = orjson.dumps(row)
+        except TypeError as e:
+            error = errors.RowNotSerializable(f"the row cannot be written as JSON: {e}")
+            error.__cause__ = e
     if error is not None:
-        reason, message = (type(error).__name__, str(error)) if isinstance(error, OURS) else llm.describe(error)
-        foreseen = isinstance(error, (*OURS, openai.APIError))
-        trace = None if foreseen else "".join(traceback.format_exception(error))
-        return PromptOutcome(*base, Status.FAILED, reason=reason, message=message, traceback=trace)
+        reason, message, trace = _named(error)
+        return PromptOutcome(*base, Status.FAILED, usage=usage or no_usage(), reason=reason, message=message,
+                             traceback=trace)
     if require_reasoning and not row["metadata"]["turns_with_reasoning"]:
-        return PromptOutcome(*base, Status.DISCARDED, row=row, reason="no_reasoning")
-    return PromptOutcome(*base, Status.OK, row=row)
+        return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="no_reasoning")
+    return PromptOutcome(*base, Status.OK, row=data, usage=usage)
+
+
+def _named(error: BaseException) -> tuple[str, str, str | None]:
+    """(class, message, traceback): the class says what happened, never a Python internal such as
+    KeyError; only an error nobody foresaw keeps its traceback."""
+    if isinstance(error, OURS):
+        return type(error).__name__, str(error), None
+    if isinstance(error, openai.APIError):
+        return (*llm.describe(error), None)
+    named = error if isinstance(error, errors.InternalError) else errors.InternalError(f"{type(error).__name__}: {error}")
+    return type(named).__name__, str(named)[:2000], "".join(traceback.format_exception(error))

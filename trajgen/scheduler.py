@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
+import orjson
+
 from trajgen import console, journal, store
 from trajgen.errors import ImageUnavailable, RunStopped
 from trajgen.messages import Event, Fatal, Finished, Log, Replied, Throttled
@@ -83,9 +85,9 @@ class _Spend:
     def __init__(self, limits: Limits):
         self.limits, self.cost, self.tokens = limits, 0.0, 0
 
-    def add(self, row: dict) -> None:
-        """What this invocation paid: the row's usage less the replies it replayed."""
-        usage = row["metadata"]["usage"]
+    def add(self, usage: dict) -> None:
+        """What this invocation paid for one prompt, whatever its outcome (a failed prompt's replies
+        were paid for too), less the replies a row replayed from the journal."""
         replayed = usage.get("replayed") or journal.empty_replayed()
         self.cost += (usage.get("cost") or 0.0) - (replayed["cost"] or 0.0)
         self.tokens += (usage["prompt_tokens"] + usage["completion_tokens"]
@@ -145,17 +147,16 @@ class Scheduler:
     def record(self, outcome: PromptOutcome) -> None:
         self.submitted.pop(outcome.key, None)
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
-        match outcome.status:
+        self.spend.add(outcome.usage)
+        match outcome.status:  # rows arrive serialised by the worker and are written as they are
             case Status.OK:
-                self.spend.add(outcome.row)
-                self.writer.row(outcome.batch_num, outcome.row)
+                self.writer.row(outcome.batch_num, outcome.key, orjson.Fragment(outcome.row))
             case Status.DISCARDED:
-                self.spend.add(outcome.row)
-                self.writer.discarded({**base, "reason": outcome.reason, "row": outcome.row})
+                self.writer.discarded({**base, "reason": outcome.reason, "row": orjson.Fragment(outcome.row)})
             case Status.FAILED:
                 trace = {"traceback": outcome.traceback} if outcome.traceback else {}
-                self.writer.failed({**base, "error_class": outcome.reason, "message": outcome.message, "time": now(),
-                                    **trace})
+                self.writer.failed({**base, "error_class": outcome.reason, "message": outcome.message,
+                                    "usage": outcome.usage, "time": now(), **trace})
                 if self.limits.verbose:
                     console.err.print(f"prompt {outcome.prompt_index} failed: {outcome.reason}: {outcome.message}")
         self.counts[outcome.status.value] += 1

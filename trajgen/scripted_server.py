@@ -46,6 +46,9 @@ A reply is a dict with any of:
   ``completion_tokens_details``).
 - ``model``: the ``model`` the completion reports (default: the request's);
   ``provider``: a top-level ``provider`` field, as OpenRouter adds.
+- ``message``: the assistant message exactly as given, instead of one built from the
+  keys above (a tool call without ``function``, a name that is not a string,
+  duplicate ids: what a misbehaving endpoint sends), in an otherwise normal completion.
 - ``finish_reason`` (default ``"tool_calls"`` with tool calls, else ``"stop"``).
 - ``delay``: extra seconds for this reply, on top of ``latency``.
 - ``gate``: a name; the answer is held until the test calls ``open_gate(name)``
@@ -381,6 +384,8 @@ class ScriptedBackend:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
+        if "message" in reply:
+            message = reply["message"]
         for key in ("reasoning", "reasoning_content", "reasoning_details"):
             if key in reply:
                 message[key] = reply[key]

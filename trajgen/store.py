@@ -229,7 +229,7 @@ class Writer:
         self.paths[fd] = path
         return fd
 
-    def _append(self, fd: int, record: dict) -> None:
+    def _append(self, fd: int, record: dict | orjson.Fragment) -> None:
         if self._error:
             raise self._error
         data = (b"\n" if fd in self.torn else b"") + orjson.dumps(record) + b"\n"
@@ -243,12 +243,12 @@ class Writer:
             raise
         self.torn.discard(fd)
 
-    def row(self, batch_num: int, row: dict) -> None:
+    def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
         if batch_num not in self.batches:
             self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
             self.files.add(batch_num)
         self._append(self.batches[batch_num], row)
-        self.landed.add(row_key(row))
+        self.landed.add(key)
 
     def discarded(self, record: dict) -> None:
         self._append(self.side[DISCARDED], record)

@@ -19,7 +19,7 @@ from typing import Callable
 from trajgen import agent, journal, llm, registry
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
-from trajgen.model import OpenAIModel
+from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
 from trajgen.sandbox.config import open_sandbox
@@ -86,7 +86,8 @@ class _Worker:
 
     async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
         tools, schemas = self.tools_for(task.toolsets_offered)
-        model = journal.JournalModel(self.model, self.config.model, task, self.send, self.cache)
+        paid = Metered(self.model)  # what this attempt paid, so a failed prompt still counts it
+        model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
             async with deadline:
@@ -94,10 +95,11 @@ class _Worker:
                                                             schemas, prompt.ctx)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
-                return decide(task, error=e)
-            return decide(task, error=PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s"))
+                return decide(task, error=e, usage=paid.usage)
+            timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
+            return decide(task, error=timeout, usage=paid.usage)
         except Exception as e:  # any other error fails this prompt only; resume retries it
-            return decide(task, error=e)
+            return decide(task, error=e, usage=paid.usage)
         row = agent.render_row(task, conversation, self.config.model)
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
         return decide(task, row=row, require_reasoning=self.config.require_reasoning)
