@@ -115,9 +115,9 @@ class RunOptions:
             reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
             ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
 
-    def tool_settings(self, api_key: str, files_dir: str) -> ToolSettings:
+    def tool_settings(self, api_key: str) -> ToolSettings:
         return ToolSettings(
-            base_url=self.base_url, api_key=api_key, model=self.model, files_dir=files_dir,
+            base_url=self.base_url, api_key=api_key, model=self.model,
             vision_model=self.vision_model or "", vision_base_url=self.vision_base_url or "",
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
             browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls)

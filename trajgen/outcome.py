@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import openai
 
@@ -35,10 +35,11 @@ class PromptOutcome:
     reason: str | None = None  # why it was discarded, or the error's class when it failed
     message: str | None = None  # the error, in one line
     traceback: str | None = None  # only for an error nobody foresaw
+    files: dict[str, bytes] = field(default_factory=dict)  # what the row's tools made, by path in the run directory
 
 
 def decide(task: Task, row: dict | None = None, error: BaseException | None = None,
-           require_reasoning: bool = True) -> PromptOutcome:
+           require_reasoning: bool = True, files: dict[str, bytes] | None = None) -> PromptOutcome:
     """The outcome of a conversation that returned `row` or raised `error`."""
     base = (task.key, task.prompt_index, task.batch_num)
     if error is not None:
@@ -47,5 +48,5 @@ def decide(task: Task, row: dict | None = None, error: BaseException | None = No
         trace = None if foreseen else "".join(traceback.format_exception(error))
         return PromptOutcome(*base, Status.FAILED, reason=reason, message=message, traceback=trace)
     if require_reasoning and not row["metadata"]["turns_with_reasoning"]:
-        return PromptOutcome(*base, Status.DISCARDED, row=row, reason="no_reasoning")
-    return PromptOutcome(*base, Status.OK, row=row)
+        return PromptOutcome(*base, Status.DISCARDED, row=row, reason="no_reasoning", files=files or {})
+    return PromptOutcome(*base, Status.OK, row=row, files=files or {})

@@ -121,7 +121,7 @@ def prepare(opts: RunOptions) -> Prepared:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     for note in scan.notes:
         console.notice(note)
-    tools = opts.tool_settings(api_key, str(run_dir.resolve() / "files"))
+    tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,

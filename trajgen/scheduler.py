@@ -142,6 +142,7 @@ class Scheduler:
     def record(self, outcome: PromptOutcome) -> None:
         self.submitted.pop(outcome.key, None)
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
+        self.writer.user_files(outcome.files)  # before the row that names them
         match outcome.status:
             case Status.OK:
                 self.spend.add(outcome.row)

@@ -224,6 +224,15 @@ class Writer:
             self.files.add(batch_num)
         self._append(self.batches[batch_num], row)
 
+    def user_files(self, files: dict[str, bytes]) -> None:
+        """Files a prompt's tools made, by path relative to the run directory, which they must stay in."""
+        for name, data in files.items():
+            path = self.run_dir / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"a tool's file {name!r} is not inside the run directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, data)
+
     def discarded(self, record: dict) -> None:
         self._append(self.side[DISCARDED], record)
 
