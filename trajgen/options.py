@@ -44,7 +44,7 @@ class RunOptions:
     model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True)
     base_url: str = flag(DEFAULT_BASE_URL, "OpenAI-compatible endpoint (default OpenRouter).", resume=True, provenance=True)
     api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.")
-    num_workers: int = flag(4, "Worker processes.", minimum=1)
+    num_workers: int | str = flag(4, "Worker processes; with --executor=ray, auto: one per --worker_cpus of the cluster's CPUs, following nodes that join and leave.", minimum=1)
     concurrency: int = flag(32, "Conversations in flight across all workers.", minimum=1)
     executor: str = flag("processes", "Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).")
     ray_address: str | None = flag(None, "With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.")
@@ -191,9 +191,11 @@ def check(opts: RunOptions) -> None:
         raise UsageError("--run_name is required")
     if "/" in opts.run_name:
         raise UsageError("--run_name must not contain '/'")
+    if isinstance(opts.num_workers, str) and (opts.num_workers != "auto" or opts.executor != "ray"):
+        raise UsageError(f"--num_workers must be an integer >= 1, or auto with --executor=ray; got {opts.num_workers!r}")
     for f in FIELDS:
         value = getattr(opts, f.name)
-        if f.metadata["minimum"] is not None and value is not None and value < f.metadata["minimum"]:
+        if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
     if opts.backend not in ("local", "docker"):
         raise UsageError(f"--terminal_backend must be local or docker, got {opts.backend!r}")

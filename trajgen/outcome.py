@@ -16,7 +16,7 @@ from trajgen import errors, llm
 from trajgen.work import Task
 
 OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped,
-        errors.ProviderError, errors.MalformedResponse)
+        errors.ProviderError, errors.MalformedResponse, errors.NoNodeCanServe)
 
 
 class Status(enum.Enum):

@@ -84,7 +84,7 @@ def run_local(opts: RunOptions) -> int:
     """Serve the small packaged model for the length of the run. It answers one request at a
     time, so more conversations in flight would only queue."""
     local_model.model_path()  # a clear usage error before anything starts
-    if opts.concurrency > 1 or opts.num_workers > 1:
+    if opts.concurrency > 1 or opts.num_workers != 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
     with local_model.serve() as server:
         return run(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
@@ -144,14 +144,17 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
+    auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, opts.num_workers), opts.require_reasoning, opts.verbose)
-    workers = min(opts.num_workers, max(1, prepared.plan.remaining))
+                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
+                          opts.verbose)
+    workers = None if auto else min(opts.num_workers, max(1, prepared.plan.remaining))
     if opts.executor == "processes":
         pool = ProcessPool(workers, config)
     else:
         from trajgen.ray_executor import make_executor
-        pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory)
+        pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory,
+                             tuple(prepared.plan.images), opts.require_toolsets)
     limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
                               opts.max_total_tokens, health_check)
     run = scheduler.Scheduler(prepared.plan, pool, limits, run_dir, missing_images, previous, started)
@@ -251,7 +254,9 @@ def _say_what_is_missing(prepared: Prepared) -> None:
     if opts.backend == "local" and plan.rows_with_image:
         console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
                        "under the local backend they run in the local sandbox")
-    if opts.backend == "local" and any(plan.sampled[t] for t in SANDBOX_TOOLSETS) and (problem := bwrap_problem()):
+    on_cluster = opts.executor == "ray" and opts.ray_address is not None  # each node checks its own bubblewrap
+    if (opts.backend == "local" and not on_cluster and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
+            and (problem := bwrap_problem())):
         if not opts.unsafe_local:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
