@@ -71,7 +71,7 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     for line in limit_notices(sandbox):
         console.notice(line)
     try:
-        missing_images = _missing_images(prepared.plan, sandbox)
+        missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
             return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
         outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
@@ -254,13 +254,17 @@ def _say_what_is_missing(prepared: Prepared) -> None:
     if opts.backend == "local" and plan.rows_with_image:
         console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
                        "under the local backend they run in the local sandbox")
-    on_cluster = opts.executor == "ray" and opts.ray_address is not None  # each node checks its own bubblewrap
-    if (opts.backend == "local" and not on_cluster and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
+    if (opts.backend == "local" and not _on_cluster(opts) and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
             and (problem := bwrap_problem())):
         if not opts.unsafe_local:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+
+
+def _on_cluster(opts: RunOptions) -> bool:
+    """On a Ray cluster each node checks its own bubblewrap and images (trajgen/ray_executor.py), not this machine."""
+    return opts.executor == "ray" and opts.ray_address is not None
 
 
 def _missing_images(plan: Plan, sandbox: SandboxConfig) -> dict[str, str]:
