@@ -238,7 +238,7 @@ class RayPool:
         A prompt that no node can serve, once every actor has reported, comes back failed (resume retries
         it), or stops the run under --require_toolsets."""
         messages: list[Event] = []
-        everyone_reported = all(s.up for s in self.slots)
+        everyone_reported = bool(self.slots) and all(s.up for s in self.slots)  # none left: poll says so
         for task in list(self.queue):
             wanted = needs(task, self.config)
             able = [s for s in self.slots if s.up and not wanted & s.report.missing.keys()]
@@ -262,9 +262,10 @@ class RayPool:
 
     def poll(self, timeout: float) -> list[Event]:
         """Messages from the actors; prompts of a dead actor run again elsewhere or come back failed."""
-        messages: list[Event] = self._resize() + self._dispatch()
+        messages: list[Event] = self._resize()
         if not self.slots:
             raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
+        messages += self._dispatch()
         watched = {s.watch: s for s in self.slots}
         refs = [*self.running, *watched]
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
