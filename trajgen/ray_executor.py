@@ -191,7 +191,7 @@ class RayPool:
 
     def _resize(self) -> list[Event]:
         """Under auto: actors for the CPUs of nodes that joined; the restarting actors of nodes that left
-        are dropped (their prompts are already queued again)."""
+        are dropped (their prompts run again elsewhere, as after any lost actor)."""
         if self.num_workers or time.monotonic() < self.next_resize:
             return []
         self.next_resize = time.monotonic() + RESIZE_SECONDS
