@@ -7,13 +7,18 @@ killer would: SIGKILL to its process, found by the process title Ray gives it.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +35,8 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl  # noqa: E402
+from tests.test_vision_image_tools import PNG  # noqa: E402
+from tests.test_web_tools import fake_api, no_provider_env  # noqa: E402, F401  (fixtures)
 from trajgen.errors import WorkerCrashed  # noqa: E402
 from trajgen.messages import Event, Fatal, Finished, Log, Throttled  # noqa: E402
 from trajgen.ray_executor import RayPool  # noqa: E402
@@ -85,11 +92,12 @@ def _task(i: int, prompt: str) -> Task:
     return Task(f"key-{i}", i, 0, prompt, None, None, {}, ["terminal"], ["terminal"])
 
 
-def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None) -> RayPool:
+def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None,
+          num_workers: int | None = 2) -> RayPool:
     config = WorkerConfig(
         ModelSettings(model="test-model", base_url=server.url, api_key="dummy-key", max_retries=1),
         SandboxConfig(root_dir=str(tmp_path / "sandboxes")), ToolSettings(), {}, concurrency=4)
-    return RayPool(2, config, address, worker_memory=256, crash_retries=crash_retries)
+    return RayPool(num_workers, config, address, worker_memory=256, crash_retries=crash_retries)
 
 
 def _drain(pool: RayPool, until=None, timeout: float = 120) -> list[Event]:
@@ -284,3 +292,155 @@ def test_cli_ray_sigterm_mid_run_then_resume(cli, scripted_server):
     assert done.returncode == 0, done.stderr
     assert sorted(prompts_of(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
     assert not {r["prompt"] for r in server.requests()[before:]} & landed
+
+
+# --------------------------------------------------------------------------- a cluster of nodes started by `ray start`
+
+
+class Node:
+    """A worker node joined the way an operator joins one (`ray start --address`), in its own mount and
+    PID namespace: it sees `read_only` read-only, and dies whole when killed, as a lost machine does."""
+
+    def __init__(self, address: str, cpus: int, read_only: Path, env: dict[str, str]):
+        mount = f'mount --bind "{read_only}" "{read_only}" && mount -o remount,bind,ro "{read_only}" "{read_only}"'
+        start = (f'exec "$0" -m ray.scripts.scripts start --block --address={address} --num-cpus={cpus} '
+                 "--node-ip-address=127.0.0.1 --disable-usage-stats")
+        self.process = subprocess.Popen(
+            ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c", f"{mount} && {start}",
+             sys.executable], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = []
+        for line in self.process.stdout:  # until the node has joined (or died: the end of its output)
+            said.append(line)
+            if "Ray runtime started" in line:
+                break
+        else:
+            raise AssertionError("the node did not start:\n" + "".join(said[-20:]))
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # never blocks on a full pipe
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=60)
+
+
+class LocalCluster:
+    """A head with no CPUs for workers, and worker nodes added and removed by the tests."""
+
+    def __init__(self, root: Path):
+        self.runs = root / "runs"  # run directories: read-only on every worker node
+        self.runs.mkdir()
+        self.head = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        self.address = self.head.address
+        self.nodes: list[Node] = []
+
+    def add(self, cpus: int, **env: str) -> Node:
+        self.nodes.append(Node(self.address, cpus, self.runs, env))
+        return self.nodes[-1]
+
+    def remove(self, node: Node) -> None:
+        node.kill()
+        self.nodes.remove(node)
+
+    def shutdown(self) -> None:
+        for node in list(self.nodes):
+            self.remove(node)
+        self.head.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="c", dir="/tmp")  # short: Ray's socket paths live under it
+    saved = {name: os.environ.get(name) for name in ("RAY_TMPDIR", "RAY_health_check_period_ms",
+                                                     "RAY_health_check_failure_threshold")}
+    os.environ.update(RAY_TMPDIR=temp_dir, RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3")
+    test_cluster = LocalCluster(Path(temp_dir))
+    try:
+        test_cluster.add(cpus=2)
+        yield test_cluster
+    finally:
+        test_cluster.shutdown()
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def without(program: str, where: Path) -> str:
+    """A PATH with every program of this one but `program`."""
+    where.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        for entry in Path(folder).glob("*") if Path(folder).is_dir() else []:
+            if entry.name != program and not (where / entry.name).exists():
+                (where / entry.name).symlink_to(entry)
+    return str(where)
+
+
+def test_cluster_image_files_come_home_to_the_driver(cli, cluster, scripted_server, fake_api):
+    fal = fake_api({"/fal-ai/flux/schnell": (200, {"images": [
+        {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}]})})
+    server = scripted_server({"default": [call("image_generate", prompt="a cat"), think("Here is the cat.")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"draw cat {i}"} for i in range(6)])
+    fal_env = {"FAL_KEY": "fal-key", "FAL_BASE_URL": fal.url}
+    env = {**fal_env, "TMPDIR": os.environ["RAY_TMPDIR"],
+           **{name: os.environ[name] for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}}
+    node = cluster.add(cpus=1, **fal_env)  # the base node has no FAL_KEY: it takes none of these prompts
+    try:
+        done = cli.run(*cli.args(server, executor="ray", ray_address=cluster.address, output_dir=cluster.runs,
+                                 distribution="default", num_workers="auto"), env=env)
+    finally:
+        cluster.remove(node)
+    assert done.returncode == 0, done.stderr
+    assert "lacks image_generate (no image backend" in done.stderr
+    run_dir = cluster.runs / "run"
+    rows = read_jsonl(run_dir / "trajectories.jsonl")
+    paths = [path for r in rows for m in r["conversations"] if m["from"] == "tool"
+             for path in re.findall(r"files/image-[0-9a-f]+\.png", m["value"])]
+    assert len(rows) == 6 and len(set(paths)) == 6  # the workers see the run directory read-only
+    assert sorted(p.name for p in (run_dir / "files").iterdir()) == sorted(Path(p).name for p in paths)
+    assert all((run_dir / p).read_bytes() == PNG for p in paths)
+
+
+def test_cluster_node_without_bubblewrap_takes_no_sandboxed_prompt(cluster, scripted_server, tmp_path):
+    server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
+    node = cluster.add(cpus=1, PATH=without("bwrap", tmp_path / "bin"))
+    pool = _pool(server, tmp_path, crash_retries=0, address=cluster.address, num_workers=3)
+    try:
+        pool.start()
+        plain = [Task(f"plain-{i}", 100 + i, 0, f"plain {i}", None, None, {}, [], []) for i in range(6)]
+        for task in [_task(i, f"prompt {i}") for i in range(12)] + plain:
+            pool.submit(task)
+        messages = _drain(pool, until=lambda: not pool.inflight and all(s.up for s in pool.slots))
+        reports = {slot.report.node: slot.report.missing for slot in pool.slots}
+    finally:
+        pool.close()
+        cluster.remove(node)
+    results = _outcomes(messages)
+    assert len(results) == 18 and all(r.row for r in results)  # none failed for want of bubblewrap
+    lacking = [node for node, missing in reports.items() if "sandbox" in missing]
+    assert len(reports) == 2 and len(lacking) == 1 and "bwrap" in reports[lacking[0]]["sandbox"]
+    said = [m.text for m in messages if isinstance(m, Log) and "sandbox (bubblewrap cannot run" in m.text]
+    assert len(said) == 1 and lacking[0] in said[0]  # once for the node, not once per actor or prompt
+
+
+def test_cluster_auto_pool_follows_nodes_that_join_and_leave(cluster, scripted_server, tmp_path):
+    server = scripted_server({"default": [{**call("terminal", command="echo hi"), "delay": 1.5},
+                                          {**think(), "delay": 1.5}]})
+    pool = _pool(server, tmp_path, crash_retries=2, address=cluster.address, num_workers=None)
+    try:
+        pool.start()
+        for i in range(60):
+            pool.submit(_task(i, f"prompt {i}"))
+        messages = _drain(pool, until=lambda: len(pool.slots) == 2 and all(s.up for s in pool.slots))
+        base = {s.report.node for s in pool.slots}  # one actor per CPU of the one worker node
+        joined = cluster.add(cpus=2)
+        messages += _drain(pool, until=lambda: sum(s.up for s in pool.slots) == 4)
+        newcomers = [s for s in pool.slots if s.report.node not in base]
+        assert len(newcomers) == 2  # the new node's CPUs got actors
+        messages += _drain(pool, until=lambda: any(slot in newcomers for slot, _ in pool.running.values()))
+        cluster.remove(joined)  # with prompts running on it
+        messages += _drain(pool, until=lambda: not pool.inflight and len(pool.slots) == 2)
+    finally:
+        pool.close()
+    results = _outcomes(messages)
+    assert sorted(r.key for r in results) == sorted(f"key-{i}" for i in range(60))  # nothing lost, nothing twice
+    assert all(r.row for r in results)
+    assert any(isinstance(m, Log) and "grew" in m.text for m in messages)
+    assert any(isinstance(m, Log) and "shrank" in m.text for m in messages)

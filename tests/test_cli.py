@@ -115,6 +115,8 @@ def test_usage_errors_exit_2_with_one_line(cli, scripted_server):
     (["--max_cost=abc"], "--max_cost=abc", "a number"),
     (["--resume=maybe"], "--resume=maybe", "true or false"),
     (["--seed=1", "--seed=2"], "--seed", "given twice"),
+    (["--num_workers=many"], "--num_workers", "an integer >= 1, or auto with --executor=ray"),
+    (["--num_workers=auto"], "--num_workers", "or auto with --executor=ray"),  # the process pool has no auto
 ])
 def test_a_bad_argument_stops_the_run_before_it_spends_anything(cli, scripted_server, argv, named, suggested):
     server = scripted_server({"default": [think()]})

@@ -117,14 +117,13 @@ def test_vision_reports_model_errors_and_bad_arguments(scripted_server):
 def test_image_generate_uses_the_endpoints_images_api(fake_api, tmp_path):
     api = fake_api({"/v1/images/generations": (200, {"created": 1, "data": [
         {"b64_json": base64.b64encode(PNG).decode(), "revised_prompt": "a tiny red cat"}]})})
-    files = tmp_path / "run" / "files"
-    ctx = context(base_url=api.url + "/v1", api_key="run-key", model="chat-model", image_model="image-model",
-                  files_dir=str(files))
+    ctx = context(base_url=api.url + "/v1", api_key="run-key", model="chat-model", image_model="image-model")
     assert "image_generate" not in model_tools.unavailable_tools(ctx.settings)
     result = run(image_generate(ctx, prompt="a tiny cat", size="512x512"))
     assert result["success"] is True and result["revised_prompt"] == "a tiny red cat"
-    saved = files / result["image_path"].rsplit("/", 1)[-1]
-    assert result["image_path"] == str(saved) and saved.suffix == ".png" and saved.read_bytes() == PNG
+    # the bytes go home with the outcome, for the parent to write at this path under the run directory
+    assert result["image_path"].startswith("files/image-") and result["image_path"].endswith(".png")
+    assert ctx.files == {result["image_path"]: PNG}
     (request,) = api.requests
     assert request["headers"]["authorization"] == "Bearer run-key"
     assert request["json"] == {"model": "image-model", "prompt": "a tiny cat", "n": 1, "size": "512x512"}
@@ -143,7 +142,7 @@ def test_image_generate_falls_back_to_fal(fake_api, monkeypatch, tmp_path):
     api = fake_api({"/fal-ai/flux/schnell": (200, {"images": [{"url": "http://127.0.0.1/fal.png", "width": 512,
                                                                "height": 256, "content_type": "image/png"}],
                                                    "seed": 7, "prompt": "a cat"})})
-    ctx = context(files_dir=str(tmp_path / "files"))
+    ctx = context()
     assert "FAL_KEY" in model_tools.unavailable_tools(ctx.settings)["image_generate"]
     assert run(image_generate(ctx, prompt="a cat"))["success"] is False
     monkeypatch.setenv("FAL_KEY", "fal-key")
@@ -158,7 +157,7 @@ def test_image_generate_falls_back_to_fal(fake_api, monkeypatch, tmp_path):
     monkeypatch.setenv("FAL_MODEL", "fal-ai/other-model")
     api.routes["/fal-ai/other-model"] = (200, {"images": [{"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}]})
     inline = run(image_generate(ctx, prompt="a cat"))
-    assert inline["success"] is True and open(inline["image_path"], "rb").read() == PNG
+    assert inline["success"] is True and ctx.files[inline["image_path"]] == PNG
 
     api.routes["/fal-ai/other-model"] = (401, {"detail": "Unauthorized key fal-key"})
     failed = run(image_generate(ctx, prompt="a cat"))

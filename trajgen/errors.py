@@ -30,6 +30,10 @@ class WorkerCrashed(Exception):
     """The worker process running the prompt died."""
 
 
+class NoNodeCanServe(Exception):
+    """No node of the Ray cluster has what the prompt's tools need (a sandbox, a browser, an image)."""
+
+
 class ProviderError(Exception):
     """The endpoint answered 200 with an `{"error": {...}}` object (OpenRouter does this for an upstream failure)."""
 

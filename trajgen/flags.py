@@ -67,6 +67,8 @@ def convert(name: str, text: str):
             return text.lower() in TRUE
         if kind is int:
             return int(text)
+        if int in typing.get_args(TYPES[name]) and text.strip().lstrip("+-").isdigit():  # an integer, or a word
+            return int(text)  # (--num_workers=auto)
         if kind is float:
             value = float(text)
             if math.isnan(value):

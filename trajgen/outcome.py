@@ -20,7 +20,7 @@ from trajgen.model import no_usage
 from trajgen.work import Task
 
 OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped,
-        errors.ProviderError, errors.MalformedResponse)
+        errors.ProviderError, errors.MalformedResponse, errors.NoNodeCanServe)
 
 
 class Status(enum.Enum):
@@ -40,11 +40,14 @@ class PromptOutcome:
     reason: str | None = None  # why it was discarded, or the error's class when it failed
     message: str | None = None  # the error, in one line
     traceback: str | None = None  # only for an error nobody foresaw
+    files: dict[str, bytes] = field(default_factory=dict)  # what the row's tools made, by path in the run directory
 
 
 def decide(task: Task, row: dict | None = None, error: BaseException | None = None,
-           require_reasoning: bool = True, usage: dict | None = None) -> PromptOutcome:
-    """The outcome of a conversation that returned `row` or raised `error` after paying `usage`."""
+           require_reasoning: bool = True, usage: dict | None = None,
+           files: dict[str, bytes] | None = None) -> PromptOutcome:
+    """The outcome of a conversation that returned `row` (and `files` for the run directory) or
+    raised `error` after paying `usage`."""
     base = (task.key, task.prompt_index, task.batch_num)
     data = None
     if error is None:
@@ -59,8 +62,8 @@ def decide(task: Task, row: dict | None = None, error: BaseException | None = No
         return PromptOutcome(*base, Status.FAILED, usage=usage or no_usage(), reason=reason, message=message,
                              traceback=trace)
     if require_reasoning and not row["metadata"]["turns_with_reasoning"]:
-        return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="no_reasoning")
-    return PromptOutcome(*base, Status.OK, row=data, usage=usage)
+        return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="no_reasoning", files=files or {})
+    return PromptOutcome(*base, Status.OK, row=data, usage=usage, files=files or {})
 
 
 def _named(error: BaseException) -> tuple[str, str, str | None]:

@@ -7,6 +7,11 @@ asyncio actor running `_Worker.run_one` (the process pool's own code) for many c
 once, with its sandboxes on the node it landed on. When an actor or its node dies, Ray restarts
 the actor where it can, and its prompts run again, up to `crash_retries` times, before they come
 back failed as WorkerCrashed.
+
+Each actor checks its own node when it starts (bubblewrap, the tools' programs, the images its
+prompts name) and reports what is missing; the driver names it once per node and sends a prompt
+only to an actor whose node has everything the prompt's tools need. Under `--num_workers=auto`
+the pool follows the cluster: one actor per `worker_cpus` of its CPUs, re-evaluated as it runs.
 """
 from __future__ import annotations
 
@@ -18,14 +23,17 @@ import secrets
 import shutil
 import signal
 import tempfile
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from trajgen.errors import UsageError, WorkerCrashed
-from trajgen.messages import Event, Finished, Log
+from trajgen import registry
+from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
+from trajgen.messages import Event, Fatal, Finished, Log
 from trajgen.outcome import PromptOutcome, decide
-from trajgen.sandbox.config import cleanup
+from trajgen.plan import needs_sandbox
+from trajgen.sandbox.config import bwrap_problem, check_images, cleanup
 from trajgen.work import Task, WorkerConfig
 from trajgen.workers import _Worker
 
@@ -38,14 +46,49 @@ except ImportError:  # Ray is an optional extra
 EXECUTORS = ("processes", "ray")
 STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and clean up at close
 LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
+SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
+RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What an actor found on its node: requirement (a tool's name, `sandbox`, `image NAME`) -> why it is missing."""
+
+    node: str
+    missing: dict[str, str]
+
+
+def _image(name: str) -> str:
+    return f"image {name}"
+
+
+def needs(task: Task, config: WorkerConfig) -> set[str]:
+    """What a node must have for this prompt's tools to work there."""
+    wanted = {t.name for t in registry.offered_tools(task.toolsets_offered, config.unavailable_tools)}
+    if needs_sandbox(task):
+        wanted.add(SANDBOX if config.sandbox.backend == "local" else _image(task.image or config.sandbox.docker_image))
+    return wanted
+
+
+async def check_node(config: WorkerConfig, images: list[str]) -> NodeReport:
+    """This node's answer to `needs`: the tools the driver offers that cannot run here, the sandbox, the images."""
+    missing = {name: reason for name, reason in registry.unavailable_tools(config.tools).items()
+               if name not in config.unavailable_tools}
+    if config.sandbox.backend == "local":
+        if not config.sandbox.unsafe_local and (problem := await asyncio.to_thread(bwrap_problem)):
+            missing[SANDBOX] = f"bubblewrap cannot run here ({problem})"
+    elif images:
+        missing |= {_image(i): why for i, why in (await check_images(images, config.sandbox)).items() if why}
+    return NodeReport(f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})", missing)
 
 
 class _RayWorker:
     """One actor: a worker's conversations. Prompts arrive as `run` calls (one per prompt);
     throttle, fatal and log messages wait in an outbox that the driver long-polls (`events`)."""
 
-    def __init__(self, config: WorkerConfig):
-        self.config = config
+    def __init__(self, config: WorkerConfig, images: list[str]):
+        self.config, self.images = config, images
+        self.report: NodeReport | None = None
         self.outcomes: dict[str, PromptOutcome] = {}
         self.outbox: list[Event] = []
         self.news = asyncio.Event()
@@ -58,8 +101,11 @@ class _RayWorker:
             self.outbox.append(message)
             self.news.set()
 
-    async def ready(self) -> None:
-        """Answers once this actor (or its restarted self) is up."""
+    async def ready(self) -> NodeReport:
+        """Answers once this actor (or its restarted self, perhaps on another node) is up: what its node lacks."""
+        if self.report is None:
+            self.report = await check_node(self.config, self.images)
+        return self.report
 
     async def run(self, task: Task) -> PromptOutcome | None:
         """The prompt's outcome, or None when `cancel` stopped it (not recorded, as in the process pool)."""
@@ -96,16 +142,25 @@ class _Slot:
     watch: Any = None  # the pending `ready` call while down, the pending `events` call while up
     up: bool = False
     inflight: int = 0
+    report: NodeReport | None = None  # what its node lacks, from its latest `ready`
 
 
 class RayPool:
-    """`num_workers` Ray actors; each holds up to its share of the run's concurrency."""
+    """`num_workers` Ray actors (None: as many as the cluster's CPUs hold, as it grows and shrinks);
+    each holds up to its share of the run's concurrency. `images`: the container images the prompts name,
+    checked on each node; `require_toolsets`: a prompt no node can serve stops the run instead of failing."""
 
-    def __init__(self, num_workers: int, config: WorkerConfig, address: str | None = None,
-                 worker_cpus: float = 1.0, worker_memory: float | None = None, crash_retries: int = 2):
+    def __init__(self, num_workers: int | None, config: WorkerConfig, address: str | None = None,
+                 worker_cpus: float = 1.0, worker_memory: float | None = None, crash_retries: int = 2,
+                 images: tuple[str, ...] = (), require_toolsets: bool = False):
         self.num_workers, self.config, self.address = num_workers, config, address
         self.worker_cpus, self.worker_memory, self.crash_retries = worker_cpus, worker_memory, crash_retries
+        self.images, self.require_toolsets = list(images), require_toolsets
+        self.actor_class: Any = None
         self.slots: list[_Slot] = []
+        self.created = 0  # actors made so far: numbers them
+        self.next_resize = 0.0
+        self.named: set[str] = set()  # nodes whose report has been said
         self.queue: deque[Task] = deque()  # submitted, waiting for an actor that is up and has room
         self.running: dict[Any, tuple[_Slot, Task]] = {}  # `run` call -> (actor, prompt)
         self.crashes: Counter[str] = Counter()  # per prompt key: runs lost to a dead actor
@@ -115,15 +170,40 @@ class RayPool:
     def start(self) -> None:
         try:
             self._init_ray()
-            actor_class = ray.remote(_RayWorker).options(
+            self.actor_class = ray.remote(_RayWorker).options(
                 num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
                 max_restarts=-1, max_concurrency=self.config.concurrency + 2,  # + the `events` poll and one control call
                 scheduling_strategy="SPREAD",  # over the nodes: each brings its own cores for the sandboxes
             )
-            self.slots = [self._watch(_Slot(i, actor_class.remote(self.config))) for i in range(self.num_workers)]
+            self._grow(self.num_workers or self._fits())
         except BaseException:
             self.close()
             raise
+
+    def _fits(self) -> int:
+        """How many actors the cluster's CPUs hold now."""
+        return max(1, int(ray.cluster_resources().get("CPU", 0) // self.worker_cpus))
+
+    def _grow(self, count: int) -> None:
+        for _ in range(count):
+            self.slots.append(self._watch(_Slot(self.created, self.actor_class.remote(self.config, self.images))))
+            self.created += 1
+
+    def _resize(self) -> list[Event]:
+        """Under auto: actors for the CPUs of nodes that joined; the restarting actors of nodes that left
+        are dropped (their prompts run again elsewhere, as after any lost actor)."""
+        if self.num_workers or time.monotonic() < self.next_resize:
+            return []
+        self.next_resize = time.monotonic() + RESIZE_SECONDS
+        fits = self._fits()
+        if fits > len(self.slots):
+            self._grow(fits - len(self.slots))
+            return [Log(f"the Ray cluster grew: {len(self.slots)} workers")]
+        surplus = [s for s in self.slots if not s.up][:len(self.slots) - fits]
+        for slot in surplus:
+            ray.kill(slot.actor, no_restart=True)
+            self.slots.remove(slot)
+        return [Log(f"the Ray cluster shrank: {len(self.slots)} workers")] if surplus else []
 
     def _init_ray(self) -> None:
         """Join `address`, or start a private local instance: on loopback only, its files in a temp dir,
@@ -136,7 +216,7 @@ class RayPool:
             self.saved_env = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
             os.environ.setdefault("RAY_AUTH_TOKEN", LOCAL_TOKEN)
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-            cpus = max(os.cpu_count() or 1, math.ceil(self.num_workers * self.worker_cpus))
+            cpus = max(os.cpu_count() or 1, math.ceil((self.num_workers or 0) * self.worker_cpus))
             options.update(address="local", num_cpus=cpus, _temp_dir=self.temp_dir, _node_ip_address="127.0.0.1")
         else:
             options["address"] = self.address
@@ -152,32 +232,48 @@ class RayPool:
 
     def submit(self, task: Task) -> None:
         self.queue.append(task)
-        self._dispatch()
 
-    def _dispatch(self) -> None:
-        while self.queue:
-            room = [s for s in self.slots if s.up and s.inflight < self.config.concurrency]
-            if not room:
-                return
-            slot = min(room, key=lambda s: s.inflight)
-            task = self.queue.popleft()
-            self.running[slot.actor.run.remote(task)] = (slot, task)
-            slot.inflight += 1
+    def _dispatch(self) -> list[Event]:
+        """Hand queued prompts to actors that are up, have room, and whose node has what the prompt needs.
+        A prompt that no node can serve, once every actor has reported, comes back failed (resume retries
+        it), or stops the run under --require_toolsets."""
+        messages: list[Event] = []
+        everyone_reported = bool(self.slots) and all(s.up for s in self.slots)  # none left: poll says so
+        for task in list(self.queue):
+            wanted = needs(task, self.config)
+            able = [s for s in self.slots if s.up and not wanted & s.report.missing.keys()]
+            room = [s for s in able if s.inflight < self.config.concurrency]
+            if room:
+                slot = min(room, key=lambda s: s.inflight)
+                self.queue.remove(task)
+                self.running[slot.actor.run.remote(task)] = (slot, task)
+                slot.inflight += 1
+            elif not able and everyone_reported:
+                self.queue.remove(task)
+                messages.append(self._unservable(task, wanted))
+        return messages
+
+    def _unservable(self, task: Task, wanted: set[str]) -> Event:
+        lacks = sorted({f"{s.report.node} lacks {need} ({s.report.missing[need]})"
+                        for s in self.slots for need in wanted & s.report.missing.keys()})
+        if self.require_toolsets:
+            return Fatal(f"--require_toolsets: no Ray node can serve prompt {task.prompt_index}: {'; '.join(lacks)}")
+        return Finished(decide(task, error=NoNodeCanServe(f"no Ray node can serve it: {'; '.join(lacks)}")))
 
     def poll(self, timeout: float) -> list[Event]:
         """Messages from the actors; prompts of a dead actor run again elsewhere or come back failed."""
+        messages: list[Event] = self._resize()
         if not self.slots:
             raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
+        messages += self._dispatch()
         watched = {s.watch: s for s in self.slots}
         refs = [*self.running, *watched]
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        messages: list[Event] = []
         for ref in ready:
             messages += self._watched(watched[ref], ref) if ref in watched else self._finished(ref)
-        self._dispatch()
-        return messages
+        return messages + self._dispatch()
 
     def _finished(self, ref: Any) -> list[Event]:
         slot, task = self.running.pop(ref)
@@ -204,9 +300,17 @@ class RayPool:
             self.slots.remove(slot)  # Ray retries `ready` across restarts: it failed, so the actor is gone for good
             return [Log(f"Ray worker {slot.number} is gone for good: {_why(e)}")]
         if not slot.up:
-            slot.up, messages = True, []
+            slot.up, slot.report, messages = True, messages, self._named(messages)
         slot.watch = slot.actor.events.remote()
         return messages
+
+    def _named(self, report: NodeReport) -> list[Event]:
+        """What a node lacks, said once per node."""
+        if report.node in self.named or not report.missing:
+            return []
+        self.named.add(report.node)
+        lacks = "; ".join(f"{need} ({why})" for need, why in report.missing.items())
+        return [Log(f"Ray node {report.node} lacks {lacks}: prompts that need it run on other nodes")]
 
     def _down(self, slot: _Slot, error: Exception) -> list[Event]:
         """Stop sending it prompts until Ray has restarted it."""
@@ -304,8 +408,10 @@ def _positive(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
 
 
-def make_executor(executor: str, num_workers: int, config: WorkerConfig, ray_address: str | None = None,
-                  worker_cpus: float = 1.0, worker_memory: float | None = None) -> RayPool:
-    """Ray actors for the parent to drive (a private local instance, or a cluster)."""
+def make_executor(executor: str, num_workers: int | None, config: WorkerConfig, ray_address: str | None = None,
+                  worker_cpus: float = 1.0, worker_memory: float | None = None, images: tuple[str, ...] = (),
+                  require_toolsets: bool = False) -> RayPool:
+    """Ray actors for the parent to drive (a private local instance, or a cluster); num_workers None is auto."""
     check_executor(executor, ray_address, worker_cpus, worker_memory)
-    return RayPool(num_workers, config, ray_address, float(worker_cpus), worker_memory)
+    return RayPool(num_workers, config, ray_address, float(worker_cpus), worker_memory, images=images,
+                   require_toolsets=require_toolsets)

@@ -71,7 +71,7 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     for line in limit_notices(sandbox):
         console.notice(line)
     try:
-        missing_images = _missing_images(prepared.plan, sandbox)
+        missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
             return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
         outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
@@ -84,7 +84,7 @@ def run_local(opts: RunOptions) -> int:
     """Serve the small packaged model for the length of the run. It answers one request at a
     time, so more conversations in flight would only queue."""
     local_model.model_path()  # a clear usage error before anything starts
-    if opts.concurrency > 1 or opts.num_workers > 1:
+    if opts.concurrency > 1 or opts.num_workers != 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
     with local_model.serve() as server:
         return run(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
@@ -121,7 +121,7 @@ def prepare(opts: RunOptions) -> Prepared:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     for note in scan.notes:
         console.notice(note)
-    tools = opts.tool_settings(api_key, str(run_dir.resolve() / "files"))
+    tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
@@ -144,15 +144,17 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
+    auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, opts.num_workers), opts.require_reasoning, opts.verbose,
-                          opts.cache_dir)
-    workers = min(opts.num_workers, max(1, prepared.plan.remaining))
+                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
+                          opts.verbose, opts.cache_dir)
+    workers = None if auto else min(opts.num_workers, max(1, prepared.plan.remaining))
     if opts.executor == "processes":
         pool = ProcessPool(workers, config)
     else:
         from trajgen.ray_executor import make_executor
-        pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory)
+        pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory,
+                             tuple(prepared.plan.images), opts.require_toolsets)
     limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
                               opts.max_total_tokens, health_check)
     cache = journal.Cache(opts.cache_dir) if opts.cache_dir else None
@@ -258,11 +260,17 @@ def _say_what_is_missing(prepared: Prepared) -> None:
     if opts.backend == "local" and plan.rows_with_image:
         console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
                        "under the local backend they run in the local sandbox")
-    if opts.backend == "local" and any(plan.sampled[t] for t in SANDBOX_TOOLSETS) and (problem := bwrap_problem()):
+    if (opts.backend == "local" and not _on_cluster(opts) and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
+            and (problem := bwrap_problem())):
         if not opts.unsafe_local:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+
+
+def _on_cluster(opts: RunOptions) -> bool:
+    """On a Ray cluster each node checks its own bubblewrap and images (trajgen/ray_executor.py), not this machine."""
+    return opts.executor == "ray" and opts.ray_address is not None
 
 
 def _missing_images(plan: Plan, sandbox: SandboxConfig) -> dict[str, str]:

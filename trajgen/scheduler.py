@@ -148,6 +148,7 @@ class Scheduler:
         self.submitted.pop(outcome.key, None)
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
         self.spend.add(outcome.usage)
+        self.writer.user_files(outcome.files)  # before the row that names them
         match outcome.status:  # rows arrive serialised by the worker and are written as they are
             case Status.OK:
                 self.writer.row(outcome.batch_num, outcome.key, orjson.Fragment(outcome.row))

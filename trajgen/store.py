@@ -250,6 +250,15 @@ class Writer:
         self._append(self.batches[batch_num], row)
         self.landed.add(key)
 
+    def user_files(self, files: dict[str, bytes]) -> None:
+        """Files a prompt's tools made, by path relative to the run directory, which they must stay in."""
+        for name, data in files.items():
+            path = self.run_dir / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"a tool's file {name!r} is not inside the run directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, data)
+
     def discarded(self, record: dict) -> None:
         self._append(self.side[DISCARDED], record)
         self.landed.add(record["prompt_key"])

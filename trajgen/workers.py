@@ -2,8 +2,8 @@
 
 The parent hands out one prompt at a time (`submit`) and reads events back (`poll`): only the
 messages of trajgen/messages.py cross the boundary, so the Ray executor reuses the worker as it
-is. Workers print nothing (logs travel to the parent, which owns the terminal) and write
-nothing of the run's records; the only files they make are those tools save for the user.
+is. Workers print nothing (logs travel to the parent, which owns the terminal) and never write
+the run directory: even the files tools make for the user travel home in the outcome.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class _Worker:
             return decide(task, error=e, usage=paid.usage)
         row = agent.render_row(task, conversation, self.config.model)
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
-        return decide(task, row=row, require_reasoning=self.config.require_reasoning)
+        return decide(task, row=row, require_reasoning=self.config.require_reasoning, files=prompt.ctx.files)
 
     async def serve(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()

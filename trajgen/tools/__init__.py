@@ -18,7 +18,6 @@ class ToolSettings:
     base_url: str = ""  # the run's endpoint and key, for tools that call a model
     api_key: str = ""
     model: str = ""
-    files_dir: str = ""  # where tools save files for the user (inside the run directory)
     vision_model: str = ""  # vision_analyze's model; "" means the run's model
     vision_base_url: str = ""  # vision_analyze's endpoint; "" means the run's endpoint
     vision_api_key: str = ""  # "" means the run's key, sent only to the run's own endpoint
@@ -37,6 +36,9 @@ class ToolContext:
     settings: ToolSettings = field(default_factory=ToolSettings)
     state: dict[str, Any] = field(default_factory=dict)
     cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # files made for the user, by path relative to the run directory: they travel home in the
+    # prompt's outcome and the parent writes them (a worker never writes the run directory)
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 With `image_model` set it uses the run's endpoint's OpenAI images API; otherwise FAL (FAL_KEY;
 FAL_BASE_URL and FAL_MODEL override its endpoint and model). The result names the image's URL,
-or, when the image comes back inline (base64 or a data: URL), the file it was saved to under
-the run's files directory.
+or, when the image comes back inline (base64 or a data: URL), its path under the run directory
+(files/...). The bytes travel home in the prompt's outcome and the parent writes them, so the
+path is valid where the run directory is, whichever node ran the prompt.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import base64
 import os
 import re
 import uuid
-from pathlib import Path
 
 import httpx
 import openai
@@ -35,38 +35,34 @@ def _fail(error: str) -> dict:
     return {"success": False, "error": error}
 
 
-def _save(data: bytes, files_dir: str) -> str:
-    """Write an inline image under files_dir; returns its absolute path."""
-    if not files_dir:
-        raise OSError("no files directory is configured to save the image in")
-    folder = Path(files_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"image-{uuid.uuid4().hex[:12]}{EXTENSIONS.get(image_mime(data, '') or '', '.png')}"
-    path.write_bytes(data)
-    return str(path)
+def _keep(data: bytes, files: dict[str, bytes]) -> str:
+    """Hand an inline image to the parent to write; returns its path relative to the run directory."""
+    path = f"files/image-{uuid.uuid4().hex[:12]}{EXTENSIONS.get(image_mime(data, '') or '', '.png')}"
+    files[path] = data
+    return path
 
 
-def _located(url: str | None, b64: str | None, files_dir: str) -> dict:
-    """{"image_url": ...} for a hosted image, {"image_path": ...} for an inline one, saved."""
+def _located(url: str | None, b64: str | None, files: dict[str, bytes]) -> dict:
+    """{"image_url": ...} for a hosted image, {"image_path": ...} for an inline one."""
     if url and not url.startswith("data:"):
         return {"image_url": url}
     if url:
         b64 = url.partition(",")[2]
     if not b64:
         raise ValueError("the response holds no image")
-    return {"image_path": _save(base64.b64decode(b64, validate=True), files_dir)}
+    return {"image_path": _keep(base64.b64decode(b64, validate=True), files)}
 
 
-async def _openai_images(settings: ToolSettings, prompt: str, size: str | None) -> dict:
+async def _openai_images(settings: ToolSettings, prompt: str, size: str | None, files: dict[str, bytes]) -> dict:
     client = cached_client(settings.base_url, settings.api_key)
     extra = {"size": size} if size else {}
     response = await client.images.generate(model=settings.image_model, prompt=prompt, n=1, **extra)
     image = response.data[0]
-    located = _located(image.url, image.b64_json, settings.files_dir)
+    located = _located(image.url, image.b64_json, files)
     return {**located, "revised_prompt": image.revised_prompt} if image.revised_prompt else located
 
 
-async def _fal(settings: ToolSettings, prompt: str, size: str | None) -> dict:
+async def _fal(settings: ToolSettings, prompt: str, size: str | None, files: dict[str, bytes]) -> dict:
     model = os.environ.get("FAL_MODEL", FAL_DEFAULT_MODEL)
     body: dict = {"prompt": prompt, "num_images": 1}
     if size:
@@ -80,7 +76,7 @@ async def _fal(settings: ToolSettings, prompt: str, size: str | None) -> dict:
     if response.status_code >= 400:
         detail = response.text[:300].replace(os.environ["FAL_KEY"], "***")  # never echo the key into a trajectory
         raise ValueError(f"FAL answered HTTP {response.status_code}: {detail}")
-    return _located(response.json()["images"][0]["url"], None, settings.files_dir)
+    return _located(response.json()["images"][0]["url"], None, files)
 
 
 async def image_generate(ctx: ToolContext, prompt: object = None, size: object = None) -> dict:
@@ -94,7 +90,7 @@ async def image_generate(ctx: ToolContext, prompt: object = None, size: object =
         return _fail(reason)
     generate = _openai_images if ctx.settings.image_model else _fal
     try:
-        located = await generate(ctx.settings, prompt, size)
+        located = await generate(ctx.settings, prompt, size, ctx.files)
     except openai.APIError as e:
         return _fail(f"image API error: {e}")
     except (httpx.HTTPError, OSError, ValueError, LookupError, TypeError) as e:
