@@ -186,8 +186,10 @@ def rows_scale(res: dict) -> list[Row]:
 
 def rows_sandbox(res: dict) -> list[Row]:
     rows = []
-    labels = {"plain": "prlimit + bash, no bubblewrap", "bwrap": "prlimit + bwrap (the runner's argv)",
-              "bwrap-with-network": "the same without --unshare-net"}
+    labels = {"plain": "unsafe_local: prlimit + bash, no bubblewrap",
+              "fresh": "a prompt's first command (sandbox opened, started, closed)",
+              "fresh-with-network": "the same without --unshare-net",
+              "same": "a command after the first in a prompt's running sandbox"}
     for key, runs in res["runs"].items():
         variant, conc = key.split("@")
         per_s = median([r["per_s"] for r in runs])
