@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 import harness
+from viewer import END as VIEWER_END, START as VIEWER_START
 from harness import (
     MACHINE,
     NOTES_END,
@@ -351,11 +352,13 @@ def _overhead_findings(ov: dict | None) -> list[str]:
 
 
 def write_markdown(results: dict, rows: list[Row]) -> None:
-    old_notes = ""
+    old_notes, viewer = "", ""
     if harness.RESULTS_MD.exists():
         text = harness.RESULTS_MD.read_text()
         if NOTES_START in text and NOTES_END in text:
             old_notes = text.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0].strip("\n")
+        if VIEWER_START in text and VIEWER_END in text:  # bench/viewer.py's section, which this run does not measure
+            viewer = VIEWER_START + text.split(VIEWER_START, 1)[1].split(VIEWER_END, 1)[0] + VIEWER_END
     date = subprocess.run(["date", "-u", "+%F"], capture_output=True, text=True).stdout.strip()
     lines = [
         "# batch_runner benchmark results",
@@ -388,6 +391,8 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
         if key.split(":")[0] == "profile" and results[key]["data"].get("summary"):
             lines += _profile_lines(key, results[key])
     lines += ["", "## Analysis", "", NOTES_START, old_notes or "(no notes yet)", NOTES_END, ""]
+    if viewer:
+        lines += [viewer, ""]
     harness.RESULTS_MD.write_text("\n".join(lines))
 
 
