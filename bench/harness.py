@@ -38,6 +38,8 @@ SCRIPT_TOOL = {"default": [
     {"content": "done"},
 ]}
 SCRIPT_PLAIN = {"default": [{"content": "done"}]}
+# two calls and no sandbox: the run does not offer this tool, so the agent answers it with an error at once
+SCRIPT_NO_SANDBOX = {"default": [{"tool_calls": [{"name": "not_offered", "arguments": {}}]}, {"content": "done"}]}
 
 console = Console(highlight=False)
 if not console.is_terminal:  # logs and pipes: wide enough for the table

@@ -15,6 +15,7 @@ from harness import (
     CHILDREN,
     OUT,
     ROOT,
+    SCRIPT_NO_SANDBOX,
     SCRIPT_PLAIN,
     SCRIPT_TOOL,
     Server,
@@ -35,16 +36,17 @@ LATENCY = 0.25
 
 
 def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str) -> dict:
-    """Latency 0.25 s; with tools: reply 0 calls `terminal` (echo hi), reply 1 ends; else one reply."""
+    """Latency 0.25 s, two replies: reply 0 calls `terminal` (echo hi), or without tools a tool the
+    run does not offer (answered at once, no sandbox); reply 1 ends."""
     data = dataset(n)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     servers = {}
     try:
         for tools in sorted({c[2] for c in configs}, reverse=True):
-            servers[tools] = Server(SCRIPT_TOOL if tools else SCRIPT_PLAIN, LATENCY, f"{tag}-{'tool' if tools else 'plain'}")
+            servers[tools] = Server(SCRIPT_TOOL if tools else SCRIPT_NO_SANDBOX, LATENCY, f"{tag}-{'tool' if tools else 'plain'}")
         for rep in range(repeats):
             for workers, conc, tools in configs:  # interleaved, so that noise spreads over every configuration
-                calls = 2 if tools else 1
+                calls = 2
                 ideal = math.ceil(n / conc) * calls * LATENCY
                 key = f"{workers}x{conc}" + ("" if tools else "-notools")
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
