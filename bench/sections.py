@@ -224,7 +224,7 @@ def section_sandbox(args) -> dict:
     out: dict = {"runs": collections.defaultdict(list)}
     for rep in range(args.repeats):
         for variant in ("plain", "fresh", "fresh-with-network", "same"):
-            for conc, total in ((1, 100), (32, 800)):
+            for conc, total in ((1, 100), (32, 400)):
                 background = wait_for_quiet()
                 say(f"sandbox {variant} concurrency={conc} commands={total}")
                 r = _micro(SANDBOX_MICRO, [variant, str(conc), str(total)], ROOT, 900, "sandbox micro-benchmark")

@@ -313,7 +313,7 @@ async def _in_turn(sandbox, *commands):
 def test_a_sandbox_whose_command_loop_dies_is_started_again(config):
     sandbox = open_sandbox(config, "p1", None, None)
     asyncio.run(sandbox.write_file("kept.txt", b"still here"))
-    lost, after = asyncio.run(_in_turn(sandbox, "kill -9 $PPID; sleep 4271", "cat kept.txt"))
+    lost, after = asyncio.run(_in_turn(sandbox, "kill -9 $(cut -d' ' -f4 /proc/$PPID/stat); sleep 4271", "cat kept.txt"))
     assert lost.exit_code is None and "stopped unexpectedly" in lost.error
     assert (after.output, after.exit_code) == ("still here", 0)
     time.sleep(0.2)

@@ -6,7 +6,7 @@ environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbo
 (roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir that is a
 tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of the work
 dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
-command and runs every command of the prompt through supervise.py (supervisor.py), which gives
+command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
 each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,
 and nothing of it left running afterwards. When a PID namespace's first process dies the kernel
 kills everything in it, so killing bwrap (a cancelled command, the prompt's end) ends it all.

@@ -1,33 +1,33 @@
-"""The host end of a sandbox's command loop: one long-lived process per prompt, commands over a pipe.
+"""The host end of a sandbox's command loop: one long-lived shell per prompt, commands over a pipe.
 
 Starting a sandbox is the costly part of a command (namespaces, mounts, seccomp: about 7 ms of
-machine CPU), so a prompt's sandbox starts once, at its first command, running supervise.py,
+machine CPU), so a prompt's sandbox starts once, at its first command, running supervise.sh,
 which runs each command as today's fresh sandbox would and kills everything it left behind. The
-channel belongs to the sandbox: whatever the sandbox writes into it can only change what the
-prompt's own commands are said to have printed, and a malformed answer ends the sandbox.
-Cancelling a command (prompt deadline, shutdown) or a loop that stops answering kills the
-whole sandbox; the next command starts a new one over the same work dir.
+loop is bash, not Python: a prompt with a single command must not pay an interpreter's start-up.
+The command's output comes straight through the pipe, capped here, and ends at a random marker
+the command has never seen. The channel belongs to the sandbox: what the sandbox writes into it
+can only change what the prompt's own commands are said to have printed. Cancelling a command
+(prompt deadline, shutdown) or a loop that stops answering kills the whole sandbox; the next
+command starts a new one over the same work dir.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import struct
 import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 from trajgen.sandbox import ExecResult, SandboxError
 from trajgen.sandbox.process import Capture, kill_group
 
-SOURCE = Path(__file__).with_name("supervise.py").read_text()
-PYTHON = os.path.realpath(sys.executable)  # the base interpreter: visible in the sandbox (local.py binds it)
-LOOP_ARGV = [PYTHON, "-I", "-S", "-c", SOURCE]
+LOOP_ARGV = ["bash", "--noprofile", "--norc", "-c", Path(__file__).with_name("supervise.sh").read_text()]
 GRACE = 10.0  # seconds past a command's timeout before the loop itself counts as stuck
 LOST = "the sandbox stopped unexpectedly; its processes were killed"
-MAX_FRAME = 1 << 20
+KILLED = 137  # what `timeout -s KILL` reports for a command it had to kill
+CHUNK = 65536
 
 
 class _Lost(Exception):
@@ -88,17 +88,30 @@ class Supervisor:
 
     @staticmethod
     async def _exchange(proc: asyncio.subprocess.Process, command: str, timeout: float, capture: Capture) -> tuple[int, bool]:
+        marker = os.urandom(16).hex().encode()
+        escaped = command.encode("utf-8", "replace").replace(b"\\", b"\\\\").replace(b"\n", b"\\n")
+        started = time.monotonic()
         try:
-            proc.stdin.write(json.dumps({"command": command, "timeout": timeout}).encode() + b"\n")
+            proc.stdin.write(b"%.3f %s\n%s\n" % (timeout, marker, escaped))
             await proc.stdin.drain()
-            while size := struct.unpack(">I", await proc.stdout.readexactly(4))[0]:
-                if size > MAX_FRAME:
+            held = b""
+            while (at := held.find(marker)) < 0:
+                cut = max(0, len(held) - len(marker) + 1)  # what cannot be the start of the marker
+                capture.add(held[:cut])
+                held = held[cut:]
+                if not (chunk := await proc.stdout.read(CHUNK)):
                     raise _Lost
-                capture.add(await proc.stdout.readexactly(size))
-            code, timed_out = (await proc.stdout.readline()).split()
-            return int(code), timed_out == b"1"
-        except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+                held += chunk
+            capture.add(held[:at])
+            status = held[at + len(marker):]
+            while b"\n" not in status:
+                if not (chunk := await proc.stdout.read(CHUNK)):
+                    raise _Lost
+                status += chunk
+            code = int(status.split(b"\n", 1)[0])
+        except (OSError, ValueError) as e:
             raise _Lost from e
+        return code, code == KILLED and time.monotonic() - started >= timeout
 
     async def stop(self) -> None:
         """Kill the sandbox (its init dies with bwrap, and every process of the namespace with it)."""
