@@ -151,10 +151,17 @@ def section_pool(args) -> dict:
 SANDBOX_MICRO = r"""
 import asyncio, json, os, resource, sys, tempfile, time
 from trajgen.sandbox.config import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.local import LocalSandbox
 
 variant, conc, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-config = SandboxConfig(root_dir=tempfile.mkdtemp(prefix="bench-sandbox-"), network=variant == "fresh-with-network",
-                       unsafe_local=variant == "plain")
+config = SandboxConfig(root_dir=tempfile.mkdtemp(prefix="bench-sandbox-"), network=variant == "fresh-with-network")
+
+def make(key):
+    if variant != "plain":
+        return open_sandbox(config, key)
+    host_dir = os.path.join(config.root_dir, key)  # what --unsafe_local runs where bubblewrap cannot
+    os.mkdir(host_dir)
+    return LocalSandbox(config, host_dir, host_dir, isolated=False)
 
 def jiffies():
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
@@ -182,7 +189,7 @@ async def main():
             raise SystemExit(f"sandbox command failed: {r}")
     async def slot(s):
         if variant == "same":  # commands after the first of a prompt: one sandbox, started before the clock
-            sandbox = await asyncio.to_thread(open_sandbox, config, f"s{s}")
+            sandbox = await asyncio.to_thread(make, f"s{s}")
             await sandbox.run("true", 60)
             await warm.wait()
             await ready.wait()
@@ -193,7 +200,7 @@ async def main():
         await warm.wait()
         await ready.wait()
         for i in range(s, total, conc):  # a prompt's first command: a sandbox of its own
-            sandbox = await asyncio.to_thread(open_sandbox, config, f"p{i}")
+            sandbox = await asyncio.to_thread(make, f"p{i}")
             await command(sandbox)
             await sandbox.close()
     warm, ready = asyncio.Barrier(conc + 1), asyncio.Event()
@@ -220,7 +227,8 @@ def section_sandbox(args) -> dict:
     """The local sandbox alone, one `echo hi` per command: latency, commands per second, CPU per
     command, and how much CPU the machine spent beyond our processes (kernel namespace set-up and
     teardown). `fresh`: each command the first of its prompt (a sandbox of its own, opened, run,
-    closed); `same`: commands after the first, in an already running sandbox; `plain`: unsafe_local."""
+    closed); `same`: commands after the first, in an already running sandbox; `plain`: no bubblewrap,
+    as --unsafe_local runs where bubblewrap cannot."""
     out: dict = {"runs": collections.defaultdict(list)}
     for rep in range(args.repeats):
         for variant in ("plain", "fresh", "fresh-with-network", "same"):
