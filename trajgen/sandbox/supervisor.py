@@ -118,6 +118,7 @@ class Supervisor:
         self._on_this_loop()
         proc, self._proc = self._proc, None
         if proc is not None:
-            kill_group(proc.pid)
+            proc.stdin.close()  # the loop ends at the end of its input, and the sandbox with it, even if
+            kill_group(proc.pid)  # bwrap's init missed its parent's death (seen under load)
             await proc.wait()
 
