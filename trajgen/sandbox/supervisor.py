@@ -92,7 +92,7 @@ class Supervisor:
         escaped = command.encode("utf-8", "replace").replace(b"\\", b"\\\\").replace(b"\n", b"\\n")
         started = time.monotonic()
         try:
-            proc.stdin.write(b"%.3f %s\n%s\n" % (timeout, marker, escaped))
+            proc.stdin.write(b"%.3f %s\n%s\n" % (max(timeout, 0.001), marker, escaped))  # 0 would mean none
             await proc.stdin.drain()
             held = b""
             while (at := held.find(marker)) < 0:
