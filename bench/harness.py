@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 CLI_ROOT = ROOT  # where batch_runner.py runs from; --cli-root points at another tree (an older commit)
 KEEP_RUNS = False  # --keep-runs
-TAG = ""  # --tag: the label of --cli-root's results
+TAG = ""  # --tag: the label of --cli-root's (or --cli-flags') results
+CLI_FLAGS: tuple[str, ...] = ()  # --cli-flags: added to every CLI run (e.g. --executor=ray)
 OUT = BENCH / "out"
 RESULTS_JSON = OUT / "results.json"
 RESULTS_MD = BENCH / "RESULTS.md"
@@ -37,6 +38,8 @@ SCRIPT_TOOL = {"default": [
     {"content": "done"},
 ]}
 SCRIPT_PLAIN = {"default": [{"content": "done"}]}
+# two calls and no sandbox: the run does not offer this tool, so the agent answers it with an error at once
+SCRIPT_NO_SANDBOX = {"default": [{"tool_calls": [{"name": "not_offered", "arguments": {}}]}, {"content": "done"}]}
 
 console = Console(highlight=False)
 if not console.is_terminal:  # logs and pipes: wide enough for the table
@@ -372,7 +375,7 @@ def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int
         sys.executable, "batch_runner.py", f"--dataset_file={data}", f"--run_name={run_name}",
         f"--output_dir={OUT / 'runs'}", f"--base_url={url}", "--api_key=dummy", "--model=bench",
         "--require_reasoning=False", "--distribution=terminal_only", f"--num_workers={workers}",
-        f"--concurrency={concurrency}", *extra,
+        f"--concurrency={concurrency}", *extra, *CLI_FLAGS,
     ]
 
 

@@ -28,7 +28,12 @@ More sections, not run by default: diag (same workload with more workers, or wit
 call), pool (the HTTP client alone: httpx vs httpx2 vs aiohttp under openai.AsyncOpenAI), sandbox
 (the local bubblewrap sandbox alone), profile (py-spy). --cli-root=DIR --tag=NAME runs the CLI of
 another tree (e.g. `git archive 62d04ad | tar -x -C bench/out/trees/62d04ad`) and keeps its
-results apart, for before/after comparisons.
+results apart, for before/after comparisons; --cli-flags=--executor=ray --tag=ray does the same for
+the Ray executor, run inside a loopback-only network namespace:
+
+    unshare --net --pid --fork --mount-proc sh -c 'ip link set lo up && exec python bench/run.py \
+        --sections=throughput --cli-flags=--executor=ray --tag=ray'
+
 
 Every CLI run waits first (up to --quiet-wait s) for the machine to be quiet, and records how busy
 the whole machine was (/proc/stat) and how much CPU went to processes other than the CLI and the
@@ -113,6 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for a quiet machine, seconds")
     p.add_argument("--cli-root", help="run batch_runner.py from this tree instead (e.g. `git archive COMMIT | tar -x -C DIR`)")
     p.add_argument("--tag", help="label of the results of --cli-root (kept apart in results.json as SECTION:harness.TAG)")
+    p.add_argument("--cli-flags", default="", help="space-separated flags added to every CLI run, with --tag "
+                   "(e.g. --cli-flags=--executor=ray; run Ray inside `unshare --net`, see tests/test_ray.py)")
     p.add_argument("--keep-runs", action="store_true", help="keep run directories under bench/out/runs")
     p.add_argument("--fresh", action="store_true", help="forget results of earlier runs in bench/out/results.json")
     p.add_argument("--render", action="store_true", help="run nothing: print the table and rewrite RESULTS.md")
@@ -139,6 +146,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--cli-root {harness.CLI_ROOT}: no batch_runner.py there")
         if not args.tag:
             raise SystemExit("--cli-root needs --tag (the results of another tree are kept apart)")
+    harness.CLI_FLAGS = tuple(args.cli_flags.split())
+    if harness.CLI_FLAGS and not args.tag:
+        raise SystemExit("--cli-flags needs --tag (the results of other flags are kept apart)")
     head = args.tag or git_head()
     harness.KEEP_RUNS = args.keep_runs
     QUIET.update(threshold=args.quiet_threshold, max_wait=args.quiet_wait)

@@ -15,6 +15,7 @@ from harness import (
     CHILDREN,
     OUT,
     ROOT,
+    SCRIPT_NO_SANDBOX,
     SCRIPT_PLAIN,
     SCRIPT_TOOL,
     Server,
@@ -35,16 +36,17 @@ LATENCY = 0.25
 
 
 def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str) -> dict:
-    """Latency 0.25 s; with tools: reply 0 calls `terminal` (echo hi), reply 1 ends; else one reply."""
+    """Latency 0.25 s, two replies: reply 0 calls `terminal` (echo hi), or without tools a tool the
+    run does not offer (answered at once, no sandbox); reply 1 ends."""
     data = dataset(n)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     servers = {}
     try:
         for tools in sorted({c[2] for c in configs}, reverse=True):
-            servers[tools] = Server(SCRIPT_TOOL if tools else SCRIPT_PLAIN, LATENCY, f"{tag}-{'tool' if tools else 'plain'}")
+            servers[tools] = Server(SCRIPT_TOOL if tools else SCRIPT_NO_SANDBOX, LATENCY, f"{tag}-{'tool' if tools else 'plain'}")
         for rep in range(repeats):
             for workers, conc, tools in configs:  # interleaved, so that noise spreads over every configuration
-                calls = 2 if tools else 1
+                calls = 2
                 ideal = math.ceil(n / conc) * calls * LATENCY
                 key = f"{workers}x{conc}" + ("" if tools else "-notools")
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
@@ -147,13 +149,19 @@ def section_pool(args) -> dict:
 
 
 SANDBOX_MICRO = r"""
-import asyncio, json, os, resource, shutil, sys, tempfile, time
-from trajgen.sandbox.config import SandboxConfig
-from trajgen.sandbox.local import bwrap_argv, limit_argv, run_process, sandbox_env
+import asyncio, json, os, resource, sys, tempfile, time
+from trajgen.sandbox.config import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.local import LocalSandbox
 
 variant, conc, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-root = tempfile.mkdtemp(prefix="bench-sandbox-")
-config = SandboxConfig(root_dir=root)
+config = SandboxConfig(root_dir=tempfile.mkdtemp(prefix="bench-sandbox-"), network=variant == "fresh-with-network")
+
+def make(key):
+    if variant != "plain":
+        return open_sandbox(config, key)
+    host_dir = os.path.join(config.root_dir, key)  # what --unsafe_local runs where bubblewrap cannot
+    os.mkdir(host_dir)
+    return LocalSandbox(config, host_dir, host_dir, isolated=False)
 
 def jiffies():
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
@@ -171,33 +179,37 @@ def kthreads():
                 total += int(f[11]) + int(f[12])
     return total / os.sysconf("SC_CLK_TCK")
 
-def argv(i):
-    d = os.path.join(root, str(i))
-    os.mkdir(d)
-    if os.geteuid() == 0:
-        os.chown(d, 65534, 65534)
-    if variant == "bwrap":
-        a = bwrap_argv(d, "/workspace", False, "echo hi")
-    elif variant == "bwrap-with-network":  # the same without --unshare-net: no network namespace
-        a = bwrap_argv(d, "/workspace", True, "echo hi")
-    else:  # no bubblewrap: prlimit + bash, as --unsafe_local
-        a = ["bash", "-c", "echo hi"]
-    return [*limit_argv(config), *a], d
-
 async def main():
-    sem, lat = asyncio.Semaphore(conc), []
-    async def one(i):
-        async with sem:
-            a, d = argv(i)
-            t = time.perf_counter()
-            r = await run_process(a, 60, sandbox_env("/workspace"), cwd=d)
-            lat.append(time.perf_counter() - t)
-            if r.exit_code != 0 or "hi" not in r.output:
-                raise SystemExit(f"sandbox command failed: {r}")
-            shutil.rmtree(d)
+    lat = []
+    async def command(sandbox):
+        t = time.perf_counter()
+        r = await sandbox.run("echo hi", 60)
+        lat.append(time.perf_counter() - t)
+        if r.exit_code != 0 or "hi" not in r.output:
+            raise SystemExit(f"sandbox command failed: {r}")
+    async def slot(s):
+        if variant == "same":  # commands after the first of a prompt: one sandbox, started before the clock
+            sandbox = await asyncio.to_thread(make, f"s{s}")
+            await sandbox.run("true", 60)
+            await warm.wait()
+            await ready.wait()
+            for i in range(s, total, conc):
+                await command(sandbox)
+            await sandbox.close()
+            return
+        await warm.wait()
+        await ready.wait()
+        for i in range(s, total, conc):  # a prompt's first command: a sandbox of its own
+            sandbox = await asyncio.to_thread(make, f"p{i}")
+            await command(sandbox)
+            await sandbox.close()
+    warm, ready = asyncio.Barrier(conc + 1), asyncio.Event()
+    slots = [asyncio.create_task(slot(s)) for s in range(conc)]
+    await warm.wait()
     j0, k0, t0 = jiffies(), kthreads(), time.perf_counter()
     r0 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    await asyncio.gather(*(one(i) for i in range(total)))
+    ready.set()
+    await asyncio.gather(*slots)
     r1 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     j1, k1, t1 = jiffies(), kthreads(), time.perf_counter()
     cpu = sum((b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime) for a, b in zip(r0, r1))
@@ -205,20 +217,22 @@ async def main():
     print(json.dumps({"wall_s": t1 - t0, "cpu_s": cpu, "machine_cpu_s": (j1[0] - j0[0]) / os.sysconf("SC_CLK_TCK"),
                       "kthreads_cpu_s": k1 - k0,
                       "p50_s": lat[len(lat) // 2], "p95_s": lat[int(len(lat) * 0.95)]}))
-    shutil.rmtree(root, ignore_errors=True)
+    cleanup(config)
 
 asyncio.run(main())
 """
 
 
 def section_sandbox(args) -> dict:
-    """The local sandbox alone (trajgen.sandbox.local.run_process with the runner's own argv), one
-    `echo hi` per command: latency, commands per second, CPU per command, and how much CPU the
-    machine spent beyond our processes (kernel namespace set-up and teardown)."""
+    """The local sandbox alone, one `echo hi` per command: latency, commands per second, CPU per
+    command, and how much CPU the machine spent beyond our processes (kernel namespace set-up and
+    teardown). `fresh`: each command the first of its prompt (a sandbox of its own, opened, run,
+    closed); `same`: commands after the first, in an already running sandbox; `plain`: no bubblewrap,
+    as --unsafe_local runs where bubblewrap cannot."""
     out: dict = {"runs": collections.defaultdict(list)}
     for rep in range(args.repeats):
-        for variant in ("plain", "bwrap", "bwrap-with-network"):
-            for conc, total in ((1, 100), (32, 800)):
+        for variant in ("plain", "fresh", "fresh-with-network", "same"):
+            for conc, total in ((1, 100), (32, 400)):
                 background = wait_for_quiet()
                 say(f"sandbox {variant} concurrency={conc} commands={total}")
                 r = _micro(SANDBOX_MICRO, [variant, str(conc), str(total)], ROOT, 900, "sandbox micro-benchmark")

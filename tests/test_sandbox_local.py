@@ -290,3 +290,31 @@ def test_a_bare_config_has_no_side_effects(tmp_path, monkeypatch):
             open_sandbox(SandboxConfig(), "p1")
     finally:
         tempfile.tempdir = None
+
+
+def test_each_command_of_a_prompt_starts_as_in_a_fresh_sandbox(config):
+    """One sandbox serves the prompt, but /tmp and the shell do not carry over; files do."""
+    sandbox = open_sandbox(config, "p1", None, None)
+    first, second = asyncio.run(_in_turn(
+        sandbox, "echo kept > note; echo gone > /tmp/scratch; mkdir /tmp/dir; export X=1",
+        "cat note; ls -A /tmp; echo X=$X",
+    ))
+    assert first.exit_code == 0
+    assert (second.output, second.exit_code) == ("kept\nX=\n", 0)
+
+
+async def _in_turn(sandbox, *commands):
+    try:
+        return [await sandbox.run(command, 30) for command in commands]
+    finally:
+        await sandbox.close()
+
+
+def test_a_sandbox_whose_command_loop_dies_is_started_again(config):
+    sandbox = open_sandbox(config, "p1", None, None)
+    asyncio.run(sandbox.write_file("kept.txt", b"still here"))
+    lost, after = asyncio.run(_in_turn(sandbox, "kill -9 $(cut -d' ' -f4 /proc/$PPID/stat); sleep 4271", "cat kept.txt"))
+    assert lost.exit_code is None and "stopped unexpectedly" in lost.error
+    assert (after.output, after.exit_code) == ("still here", 0)
+    time.sleep(0.2)
+    assert survivors("sleep 4271") == ""

@@ -1,14 +1,16 @@
-"""The `local` backend: every command runs in a fresh bubblewrap sandbox over the prompt's work dir.
+"""The `local` backend: a prompt's commands run in one bubblewrap sandbox over its work dir.
 
 Only system dirs are visible (read-only); the work dir is the one writable place, with a sized
-private /tmp; the command runs in its own PID, IPC, UTS, cgroup and network namespaces with a
-scrubbed environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbox has
-its own uid (roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir
-that is a tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of
-the work dir is not in any command line the sandbox can see. When a PID namespace's first
-process dies the kernel kills everything in it, so killing bwrap on a timeout also ends children
-that called setsid. File tools work host-side on the work dir (hostfiles.py), never following a
-link out of it.
+private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespaces, a scrubbed
+environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbox has its own uid
+(roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir that is a
+tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of the work
+dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
+command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
+each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,
+and nothing of it left running afterwards. When a PID namespace's first process dies the kernel
+kills everything in it, so killing bwrap (a cancelled command, the prompt's end) ends it all.
+File tools work host-side on the work dir (hostfiles.py), never following a link out of it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from trajgen import locks
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
+from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Supervisor
 
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -100,12 +103,12 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
     return options, as_uid
 
 
-def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: str) -> tuple[list[str], list[int]]:
-    """The bwrap command line (its options in a memfd: `--args FD`) and the fds it must inherit."""
+def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str]) -> tuple[list[str], list[int]]:
+    """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
     seccomp_fd = seccomp.memfd(seccomp.program(), "trajgen-seccomp")
     options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
-    return ["bwrap", "--args", str(args_fd), "--", *as_uid, "bash", "-c", command], [seccomp_fd, args_fd]
+    return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
 
 @functools.cache
@@ -118,7 +121,7 @@ def bwrap_problem() -> str | None:
     except OSError as e:
         return str(e)
     with tempfile.TemporaryDirectory() as tmp:
-        argv, fds = bwrap_argv(tmp, DEFAULT_CWD, False, 1, NOBODY, "true")
+        argv, fds = bwrap_argv(tmp, DEFAULT_CWD, False, 1, NOBODY, ["true"])
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD),
                                   pass_fds=fds)
@@ -146,22 +149,22 @@ class LocalSandbox:
         self._uid_lock, self._group = uid_lock, group
         self.files = WorkDir(host_dir, cwd, uid if isolated and os.geteuid() == 0 else None)
 
-    async def run(self, command: str, timeout: float) -> ExecResult:
-        fds: list[int] = []
-        if self.isolated:
-            argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, command)
-        else:
-            argv = ["bash", "-c", command]
+        self._supervisor = Supervisor(self._loop_argv, sandbox_env(cwd), host_dir) if isolated else None
+
+    def _loop_argv(self) -> tuple[list[str], list[int]]:
+        """prlimit, then the shell that joins the cgroup, then bwrap running the command loop."""
+        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, LOOP_ARGV)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
+        return [*limit_argv(self.config), *argv], fds
+
+    async def run(self, command: str, timeout: float) -> ExecResult:
+        if self._supervisor is None:
+            return await run_process([*limit_argv(self.config), "bash", "-c", command], timeout,
+                                     sandbox_env(self.cwd), cwd=self.host_dir)
         ooms = self._group.oom_kills() if self._group else 0
-        try:
-            result = await run_process([*limit_argv(self.config), *argv], timeout, sandbox_env(self.cwd),
-                                       cwd=self.host_dir, pass_fds=tuple(fds))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if self._group and self._group.oom_kills() > ooms and result.error is None:
+        result = await self._supervisor.run(command, timeout)
+        if self._group and self._group.oom_kills() > ooms and result.error in (None, LOST):
             result.error = (f"the sandbox hit its memory limit ({self.config.memory_mb} MB, its /tmp and work dir "
                             "included); the kernel killed a process of the command")
         return result
@@ -179,6 +182,8 @@ class LocalSandbox:
         await asyncio.to_thread(self.files.write, path, data)
 
     async def close(self) -> None:
+        if self._supervisor:
+            await self._supervisor.stop()
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:

@@ -12,7 +12,7 @@ from trajgen.sandbox import ExecResult, SandboxError
 OUTPUT_CAP = 50_000  # bytes of command output kept: the first and the last half
 
 
-class _Capture:
+class Capture:
     """Keeps the head and tail of a stream as it arrives, so a flood of output costs no memory."""
 
     def __init__(self) -> None:
@@ -35,7 +35,7 @@ class _Capture:
         return f"{head}\n[... {cut} bytes of output cut ...]\n{tail}"
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -73,7 +73,7 @@ async def run_process(
     transport, _ = await asyncio.get_running_loop().connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", 0)
     )
-    capture = _Capture()
+    capture = Capture()
 
     async def pump() -> None:
         while chunk := await stream.read(65536):
@@ -86,7 +86,7 @@ async def run_process(
     except TimeoutError:
         error = f"timed out after {timeout:g} s; the command and its children were killed"
     finally:  # a cancelled caller (prompt deadline, shutdown) must not leave the command running
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
         await proc.wait()
     if error and on_timeout:
         await on_timeout()
