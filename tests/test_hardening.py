@@ -266,6 +266,15 @@ def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
 # ---------------------------------------------------------------- the retry policy, in process
 
 
+def test_the_default_retries_outlast_a_long_outage_whatever_the_jitter_draws():
+    for _ in range(2000):
+        waits, previous = [], 0.0
+        for _ in range(10):  # the default --max_retries
+            previous = llm.backoff(previous)
+            waits.append(previous)
+        assert sum(waits) >= 100 and min(waits) >= 1.0 and max(waits) <= llm.BACKOFF_CAP
+
+
 def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_second(scripted_server):
     server = scripted_server({"outage": {"status": 503, "seconds": 3600}})
     settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=100, retry_budget=3.0)

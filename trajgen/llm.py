@@ -1,7 +1,7 @@
 """Model calls: one client per worker, one retry policy, and a signal when the endpoint throttles.
 
 Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
-times and within `--retry_budget` seconds per request, with decorrelated jitter that never waits
+times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
 never less than a Retry-After. 401/402/403 stop the run, and so does a 404 before the endpoint has
 ever answered (the model does not exist); other 4xx fail the prompt at once. A 200 whose body is
@@ -62,10 +62,9 @@ def describe(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, message[:2000]
 
 
-def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
-                 forbid_tools: bool = False) -> bytes:
-    """The JSON body of one call, serialized once by orjson: the SDK's typed `create` walks every
-    message of the history in Python on every call, which cost more CPU than the rest of a turn."""
+def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
+                 forbid_tools: bool = False) -> dict:
+    """The body of one call as the endpoint receives it (the extra body merged in, as the SDK does)."""
     args: dict = {"model": settings.model, "messages": messages}
     if tools:
         args["tools"] = tools
@@ -77,7 +76,14 @@ def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict
             args[name] = value
     if settings.extra_body:
         args.update(settings.extra_body)
-    return orjson.dumps(args)
+    return args
+
+
+def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
+                 forbid_tools: bool = False) -> bytes:
+    """Serialized once by orjson: the SDK's typed `create` walks every message of the history in
+    Python on every call, which cost more CPU than the rest of a turn."""
+    return orjson.dumps(request_args(settings, messages, tools, forbid_tools))
 
 
 def parse_completion(body: bytes) -> ChatCompletion:
@@ -128,8 +134,12 @@ def status_of(error: Exception) -> int | None:
 
 
 def backoff(previous: float) -> float:
-    """Decorrelated jitter: between BACKOFF_BASE and three times the previous wait, capped."""
-    return min(BACKOFF_CAP, random.uniform(BACKOFF_BASE, max(BACKOFF_BASE, 3 * previous)))
+    """Jittered, and growing by at least half each time: between 1.5 and 3 times the previous wait
+    (the first between BACKOFF_BASE and three times it), capped. Pure decorrelated jitter can stay
+    near BACKOFF_BASE for ten tries and give up inside a 20 s storm; with this floor, ten retries
+    wait at least 100 s, so --max_retries's default rides out any outage --retry_budget allows."""
+    low = max(BACKOFF_BASE, 1.5 * previous)
+    return min(BACKOFF_CAP, random.uniform(low, 3 * max(BACKOFF_BASE, previous)))
 
 
 def retry_wait(error: Exception, previous: float, answered: bool) -> float | None:

@@ -13,7 +13,6 @@ command starts a new one over the same work dir.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import time
