@@ -20,10 +20,9 @@ import orjson
 from trajgen import llm, locks, store
 from trajgen.errors import DiskFull, UsageError
 from trajgen.messages import Event, Replied
-from trajgen.model import ModelClient, Reply
+from trajgen.model import USAGE_KEYS, ModelClient, Reply
 from trajgen.work import ModelSettings, Task
 
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
 
 
 def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict], forbid_tools: bool) -> str:
