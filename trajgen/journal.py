@@ -24,7 +24,6 @@ from trajgen.model import USAGE_KEYS, ModelClient, Reply
 from trajgen.work import ModelSettings, Task
 
 
-
 def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict], forbid_tools: bool) -> str:
     """sha256 of the request body as sent (model, messages with the system prompt, tool schemas,
     tool_choice, sampling settings, extra body), as canonical JSON. The endpoint's address is not
