@@ -63,6 +63,7 @@ class Tallies:
     kept: merge.Tally = field(default_factory=merge.Tally)
     hallucinated: merge.Tally = field(default_factory=merge.Tally)
     discarded: merge.Tally = field(default_factory=merge.Tally)
+    failed_attempts: merge.Tally = field(default_factory=merge.Tally)  # every failure record, as the merge counts them
     duplicates: int = 0
     torn: list[str] = field(default_factory=list)
 
@@ -185,6 +186,8 @@ class RunIndex:
         self._put(key, entry)
 
     def _add_failure(self, where: tuple, record: dict) -> None:
+        self.tallies.failed_attempts.rows += 1
+        self.tallies.failed_attempts.add_usage(record.get("usage") or {})
         key = record.get("prompt_key")
         held = self.by_key.get(key, -1)
         if held >= 0 and self.entries[held].kind != FAILED:

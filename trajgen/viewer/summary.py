@@ -63,7 +63,7 @@ def summarize(index: RunIndex) -> Summary:
         kept=_together(t.kept, t.hallucinated) if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
         discarded=t.discarded,
         discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
-        failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED),
+        failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED), failed_attempts=t.failed_attempts,
         batch_files=len(store.batch_files(run_dir)), duplicates_skipped=t.duplicates, torn=list(t.torn))
     counted = merge.statistics(merged, {})
     live = not saved or any(saved.get(k) != counted[k] for k in ("ok", "discarded", "failed"))
