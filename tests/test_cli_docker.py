@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.conftest import call, read_jsonl, think, write_jsonl
+from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.test_hardening import _wait_for
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -42,3 +43,27 @@ def test_docker_run_uses_each_rows_image_and_cwd(cli, scripted_server, docker_en
     leftover = subprocess.run(["docker", "-H", docker_engine, "ps", "-aq", "--filter", "label=trajgen.session"],
                               capture_output=True, text=True).stdout.split()
     assert leftover == []
+
+
+def test_resume_removes_the_containers_a_killed_runner_left(cli, scripted_server, docker_engine, busybox_image):
+    """kill -9 cleans nothing up; the next invocation of the same run does, before it starts any."""
+    server = scripted_server({"default": [call("terminal", command="echo up"),
+                                          {**think("done"), "gate": "held"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}", "image": busybox_image} for i in range(2)])
+    cli.env["DOCKER_HOST"] = docker_engine
+    args = cli.args(server, terminal_backend="docker")
+
+    def containers(label: str) -> list[str]:
+        return subprocess.run(["docker", "-H", docker_engine, "ps", "-aq", "--filter", f"label={label}"],
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    first = cli.start(*args)
+    _wait_for(lambda: len(containers("trajgen.run")) == 2)  # both prompts ran their command; both held
+    kill_group(first)
+    left = containers("trajgen.run")
+    assert len(left) == 2
+    server.open_gate("held")
+    done = cli.run(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
+    assert containers("trajgen.run") == []

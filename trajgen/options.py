@@ -7,16 +7,18 @@ from them), and the argument parser in `trajgen/flags.py` reads their types from
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import os
 import typing
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.local_model import NAME as LOCAL_MODEL
-from trajgen.sandbox.config import SandboxConfig, new_root_dir
+from trajgen.sandbox.config import BACKENDS, SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings
 
@@ -124,12 +126,18 @@ class RunOptions:
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
             browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls)
 
+    @property
+    def run_id(self) -> str:
+        """The run directory's identity, the same for every invocation that continues it."""
+        run_dir = Path(self.output_dir, self.run_name or "").resolve()
+        return hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+
     def sandbox_config(self) -> SandboxConfig:
         """Creates the run's sandbox root (and sweeps stale ones): call once, then `cleanup` it."""
         return SandboxConfig(
             backend=self.backend, command_timeout=float(self.command_timeout), docker_image=self.docker_image,
             network=self.sandbox_network, keep=self.keep_sandboxes, unsafe_local=self.unsafe_local,
-            root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], memory_mb=self.sandbox_memory,
+            root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], run_id=self.run_id, memory_mb=self.sandbox_memory,
             disk_mb=self.sandbox_disk, docker_root=self.docker_root)
 
     def request_extras(self) -> tuple[dict, str | None, list[str]]:
@@ -199,8 +207,8 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    if opts.backend not in ("local", "docker"):
-        raise UsageError(f"--terminal_backend must be local or docker, got {opts.backend!r}")
+    if opts.backend not in BACKENDS:
+        raise UsageError(f"--terminal_backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
     if opts.provider_sort not in (None, "price", "throughput", "latency"):
         raise UsageError("--provider_sort must be price, throughput or latency")
     if opts.reasoning_effort not in (None, *REASONING_EFFORTS):

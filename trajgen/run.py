@@ -19,7 +19,7 @@ from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices
+from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
@@ -71,6 +71,8 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     for line in limit_notices(sandbox):
         console.notice(line)
     try:
+        if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
+            reap(sandbox)
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
             return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
@@ -127,7 +129,7 @@ def prepare(opts: RunOptions) -> Prepared:
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
                         unavailable_tools, unavailable_sets, Plan())
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
-                                                        opts.docker_image if opts.backend == "docker" else None))
+                                                        opts.docker_image if runs_images(opts.backend) else None))
     _say_what_is_missing(prepared)
     for line in opts.request_extras()[2]:
         console.notice(f"sending {line}")
@@ -257,9 +259,10 @@ def _say_what_is_missing(prepared: Prepared) -> None:
         raise UsageError("--require_toolsets: " + "; ".join(missing))
     for line in missing:
         console.notice(f"{line}; prompts run without it (--require_toolsets makes this an error)")
-    if opts.backend == "local" and plan.rows_with_image:
-        console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs --terminal_backend=docker; "
-                       "under the local backend they run in the local sandbox")
+    if not runs_images(opts.backend) and plan.rows_with_image:
+        console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs a container backend "
+                       f"(--terminal_backend={'/'.join(b for b in BACKENDS if runs_images(b))}); "
+                       f"under the {opts.backend} backend they run in its sandbox")
     if (opts.backend == "local" and not _on_cluster(opts) and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
             and (problem := bwrap_problem())):
         if not opts.unsafe_local:
@@ -274,8 +277,8 @@ def _on_cluster(opts: RunOptions) -> bool:
 
 
 def _missing_images(plan: Plan, sandbox: SandboxConfig) -> dict[str, str]:
-    """Images the docker backend cannot use, each said once: their prompts fail and resume retries them."""
-    if sandbox.backend != "docker" or not plan.images:
+    """Images the backend cannot use, each said once: their prompts fail and resume retries them."""
+    if not plan.images:
         return {}
     found = asyncio.run(check_images(list(plan.images), sandbox))
     missing = {image: reason for image, reason in found.items() if reason}

@@ -38,12 +38,13 @@ class SandboxConfig:
     unsafe_local: bool = False  # without bubblewrap, run commands unisolated instead of failing
     root_dir: str = ""  # the run's sandbox root (roots.new_root_dir); required to open a local sandbox
     label: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # session id on every container and cgroup
+    run_id: str = ""  # the run directory's id on every container, so a later invocation can reap what a killed one left
     cpu_seconds: int = 600  # per process
     memory_mb: int = 4096  # the whole sandbox, /tmp and the work dir included (per process where no cgroup)
     disk_mb: int = 1024  # size of the sandbox's /tmp and of its work dir, each
     max_processes: int = 512  # per sandbox
     file_size_mb: int = 1024  # largest file a command may write
-    cpus: float = 1.0  # docker only
+    cpus: float = 1.0  # container backends only
 
 
 class Sandbox(Protocol):

@@ -8,27 +8,47 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Callable
+from dataclasses import dataclass
+from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups
-from trajgen.sandbox.docker import check_image, open_docker, remove_containers
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups, docker
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
-__all__ = ["SandboxConfig", "open_sandbox", "cleanup", "bwrap_problem", "check_images", "new_root_dir", "limit_notices"]
+__all__ = ["SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images", "new_root_dir",
+           "limit_notices", "runs_images"]
 
-BACKENDS: dict[str, Callable[[SandboxConfig, str, str | None, str | None], Sandbox]] = {
-    "local": open_local,
-    "docker": open_docker,
+SESSION_TAG = "trajgen.session"  # every sandbox of one invocation (SandboxConfig.label)
+RUN_TAG = "trajgen.run"  # every sandbox of one run directory, whichever invocation started it (run_id)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the runner needs of a backend: open a prompt's sandbox; for backends that run a row's
+    container image, check an image before the first request and remove tagged leftovers."""
+
+    open: Callable[[SandboxConfig, str, str | None, str | None], Sandbox]
+    check_image: Callable[[str, SandboxConfig], Awaitable[str | None]] | None = None  # None if usable, else why not
+    remove: Callable[[str, str], None] | None = None  # remove(tag, value): every sandbox carrying the tag
+
+
+BACKENDS: dict[str, Backend] = {
+    "local": Backend(open_local),
+    "docker": Backend(docker.open_docker, docker.check_image, docker.remove_containers),
 }
 
 
 def open_sandbox(config: SandboxConfig, key: str, image: str | None = None, cwd: str | None = None) -> Sandbox:
-    """One prompt's sandbox; `key` names its work dir or container. Docker starts lazily, at first use."""
+    """One prompt's sandbox; `key` names its work dir or container. Containers start lazily, at first use."""
     backend = BACKENDS.get(config.backend)
     if backend is None:
         raise SandboxError(f"unknown sandbox backend {config.backend!r} (expected one of {', '.join(BACKENDS)})")
-    return backend(config, key, image, cwd)
+    return backend.open(config, key, image, cwd)
+
+
+def runs_images(backend: str) -> bool:
+    """Whether a row's `image` means anything to this backend."""
+    return BACKENDS[backend].check_image is not None
 
 
 def limit_notices(config: SandboxConfig) -> list[str]:
@@ -55,16 +75,27 @@ def cleanup(config: SandboxConfig) -> None:
     if config.root_dir:
         remove_root(config.root_dir)
         release_root(config.root_dir)
-    if config.backend == "docker":
-        remove_containers(config.label)
+    if remove := BACKENDS[config.backend].remove:
+        remove(SESSION_TAG, config.label)
+
+
+def reap(config: SandboxConfig) -> None:
+    """Remove what earlier invocations of this run left (a runner killed with -9 cleans nothing up).
+
+    Call only while holding the run directory's lock: then no live runner owns a sandbox of this run.
+    """
+    if (remove := BACKENDS[config.backend].remove) and config.run_id and not config.keep:
+        remove(RUN_TAG, config.run_id)
 
 
 async def check_images(images: list[str], config: SandboxConfig) -> dict[str, str | None]:
-    """Check (pulling if needed) each distinct docker image once, in parallel: None if usable, else why not.
+    """Check (pulling or building if needed) each distinct image once, in parallel: None if usable, else why not.
 
-    Sandboxes never pull (`docker run --pull never`), so this is where a run learns up front
-    which images it cannot use.
+    Sandboxes never pull or build, so this is where a run learns up front which images it cannot use.
     """
+    check = BACKENDS[config.backend].check_image
+    if check is None:
+        return {}
     distinct = list(dict.fromkeys(images))
-    reasons = await asyncio.gather(*(check_image(image) for image in distinct))
+    reasons = await asyncio.gather(*(check(image, config) for image in distinct))
     return dict(zip(distinct, reasons))

@@ -2,8 +2,9 @@
 
 The container is the boundary: no network unless asked; CPU, memory and process limits; every
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
-65534 unless `docker_root`; a session label so `cleanup` can find every container a run (or a
-crashed worker) left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
+65534 unless `docker_root`; a session label so `cleanup` can find every container an invocation
+(or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
+with -9 left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
 and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together with
 everything it started, setsid or not: nothing a call starts outlives it.
 """
@@ -84,7 +85,8 @@ class DockerSandbox:
             "--ulimit", f"fsize={c.file_size_mb << 20}", "--cap-drop", "ALL",
             *(f"--cap-add={cap}" for cap in SHELL_CAPS), "--security-opt", "no-new-privileges",
             "--tmpfs", f"/tmp:size={c.disk_mb}m,mode=1777",
-            "--label", f"trajgen.session={c.label}", "--label", f"trajgen.key={self.key}",
+            "--label", f"trajgen.session={c.label}", "--label", f"trajgen.run={c.run_id}",
+            "--label", f"trajgen.key={self.key}",
             "-e", "LANG=C.UTF-8", "-e", "TERM=dumb", "-e", "PYTHONUNBUFFERED=1",
             "-w", self.cwd, "--entrypoint", "sh", self.image, "-c", REAPER,
             timeout=CONTROL_TIMEOUT,
@@ -153,7 +155,7 @@ def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | N
     return DockerSandbox(config, key, image or config.docker_image, cwd or "/workspace")
 
 
-async def check_image(image: str) -> str | None:
+async def check_image(image: str, config: SandboxConfig) -> str | None:
     """None if the image is local or could be pulled, else a one-line reason."""
     try:
         code, _, _ = await _docker("image", "inspect", image, timeout=CONTROL_TIMEOUT)
@@ -165,11 +167,11 @@ async def check_image(image: str) -> str | None:
     return None if code == 0 else f"image {image} is not available locally and pulling it failed: {_last_line(err)}"
 
 
-def remove_containers(label: str) -> None:
-    """Force-remove every container carrying trajgen.session=<label>; quiet when docker is absent."""
+def remove_containers(tag: str, value: str) -> None:
+    """Force-remove every container labelled <tag>=<value>; quiet when docker is absent."""
     try:
         listed = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label=trajgen.session={label}"],
+            ["docker", "ps", "-aq", "--filter", f"label={tag}={value}"],
             capture_output=True, text=True, timeout=CONTROL_TIMEOUT, env=docker_env(),
         )
         if ids := listed.stdout.split():
