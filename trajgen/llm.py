@@ -15,14 +15,13 @@ import email.utils
 import random
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import httpx
 import openai
 import orjson
 from openai._constants import DEFAULT_CONNECTION_LIMITS
-from openai._models import construct_type
-from openai.types.chat import ChatCompletion
 
 from trajgen.errors import FatalAPIError, MalformedResponse, ProviderError
 from trajgen.work import ModelSettings
@@ -86,7 +85,18 @@ def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict
     return orjson.dumps(request_args(settings, messages, tools, forbid_tools))
 
 
-def parse_completion(body: bytes) -> ChatCompletion:
+@dataclass(frozen=True)
+class Completion:
+    """The parts of a 200 body the loop uses, as plain JSON values (no typed SDK objects: building
+    and dumping them cost more CPU than the rest of a call)."""
+
+    message: dict  # the first choice's message, without its null fields
+    usage: object  # the usage object as sent (checked by the caller), None when absent
+    model: object  # the `model` field as sent
+    provider: object  # OpenRouter's `provider` field, when present
+
+
+def parse_completion(body: bytes) -> Completion:
     """The completion in a 200 body, or the error it carries instead."""
     try:
         data = orjson.loads(body)
@@ -103,7 +113,8 @@ def parse_completion(body: bytes) -> ChatCompletion:
         raise MalformedResponse("the reply has no choices" if choices is None else f"the reply has choices: {choices!r}"[:2000])
     if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
         raise MalformedResponse(f"the reply's first choice has no message: {str(choices[0])[:200]}")
-    return construct_type(type_=ChatCompletion, value=data)
+    message = {k: v for k, v in choices[0]["message"].items() if v is not None}
+    return Completion(message, data.get("usage"), data.get("model"), data.get("provider"))
 
 
 def _retry_after(response) -> float | None:
@@ -167,7 +178,7 @@ async def complete(
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
-) -> ChatCompletion:
+) -> Completion:
     """One chat completion, retried per the policy above; the client is only the transport (auth,
     connections, the SDK's error classes)."""
     body = request_body(settings, messages, tools, forbid_tools)

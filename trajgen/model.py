@@ -42,15 +42,10 @@ class OpenAIModel:
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
         response = await llm.complete(self.client, self.settings, messages, tools, self.on_throttle, forbid_tools)
-        provider = (response.model_extra or {}).get("provider")
+        provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
-        # the SDK builds its models without validation, so these are the endpoint's values as sent
-        reply = checked(_raw(response.choices[0].message), _usage(_raw(response.usage)))
+        reply = checked(response.message, _usage(response.usage))
         return replace(reply, served_by=served_by)
-
-
-def _raw(value):
-    return value.model_dump(exclude_none=True, warnings=False) if isinstance(value, openai.BaseModel) else value
 
 
 def _short(value) -> str:
@@ -65,8 +60,10 @@ def _usage(usage) -> dict:
     if not isinstance(usage, dict):
         raise MalformedResponse(f"the reply's usage is not an object: {_short(usage)}")
     details = usage.get("completion_tokens_details")
-    counts = {"prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0),
-              "reasoning_tokens": details.get("reasoning_tokens", 0) if isinstance(details, dict) else 0}
+    details = details if isinstance(details, dict) else {}
+    counts = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+              "reasoning_tokens": details.get("reasoning_tokens")}
+    counts = {key: 0 if value is None else value for key, value in counts.items()}  # null counts as absent
     for key, value in counts.items():
         if type(value) is not int or value < 0:
             raise MalformedResponse(f"the reply's usage has {key} {_short(value)}, not a token count")
