@@ -281,11 +281,11 @@ def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_sec
     throttled = []
 
     async def one_call():
-        client = llm.make_client(settings, 1)
+        endpoint = llm.Endpoint(settings, 1)
         try:
-            await llm.complete(client, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
+            await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
         finally:
-            await client.close()
+            await endpoint.close()
 
     with pytest.raises(openai.InternalServerError):
         asyncio.run(one_call())
