@@ -98,6 +98,8 @@ def test_a_row_that_is_not_json_fails_in_the_worker_with_a_named_class():
 
 def test_the_proxy_comes_from_the_environment_and_no_proxy_is_honoured(monkeypatch):
     from trajgen.llm import env_proxy
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
     monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
     assert env_proxy("https://openrouter.ai/api/v1/chat/completions") == "http://proxy.internal:3128"
