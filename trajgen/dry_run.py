@@ -6,10 +6,9 @@ import asyncio
 from dataclasses import replace
 
 import httpx
-import openai
 from rich.table import Table
 
-from trajgen import console, llm
+from trajgen import console, errors, llm
 from trajgen.plan import Plan
 from trajgen.work import ModelSettings
 
@@ -23,7 +22,7 @@ async def _probe(settings: ModelSettings) -> str | None:
     endpoint = llm.Endpoint(settings, connections=1)
     try:
         await endpoint.post(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
-    except (openai.APIStatusError, openai.APIConnectionError) as e:
+    except (errors.APIStatusError, errors.APIConnectionError) as e:
         return f"{type(e).__name__}: {getattr(e, 'message', e)}"
     finally:
         await endpoint.close()
