@@ -167,7 +167,8 @@ def _filler(path: Path, leave: int) -> None:
         os.posix_fallocate(f.fileno(), 0, stat.f_bavail * stat.f_frsize - leave)
 
 
-@pytest.mark.parametrize("room, full_at", [(300_000, ("batch_", "journal.jsonl")), (1_100_000, ("trajectories.jsonl",))],
+# 60 rows of about 13.5 KB: the run needs them and up to store.COMPACT_AT of journal; the merge, the rows twice
+@pytest.mark.parametrize("room, full_at", [(300_000, ("batch_", "journal.jsonl")), (1_300_000, ("trajectories.jsonl",))],
                          ids=["during-the-run", "during-the-merge"])  # during the run, a row or a reply's journal entry
 def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room, full_at):
     server = scripted_server({"default": [think("x" * 4_000)]})  # rows of about 12 KB (the answer is in `value` and `message`)
