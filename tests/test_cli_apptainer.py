@@ -42,7 +42,10 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
         "in srv": [{**call("terminal", command="pwd; find / -name note.txt 2>/dev/null; echo searched"),
                     "gate": "srv-go"}, think("done")],
         "timeout": [call("terminal", command="setsid sleep 4251 & (sleep 4252 &); echo begun; sleep 4253", timeout=2),
-                    call("terminal", command="ps -o args"), think("done")],
+                    call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; echo started"),
+                    call("terminal", command="ps -o args | grep -c '[s]leep 4'; grep Cap /proc/self/status; "
+                                             "ulimit -t; chown 0 . 2>/dev/null; echo chown=$?"),
+                    think("done")],
         "late": [call("terminal", command="cat /etc/passwd | head -1"), think("done")],
     }})
     write_jsonl(cli.cwd / "prompts.jsonl", [
@@ -75,9 +78,14 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
     interfaces = [line.split(":")[0].strip() for line in lines if ":" in line and "|" not in line and "=" not in line]
     assert interfaces == ["lo"]  # no network
     assert _outputs(rows["in srv"])[0]["output"] == "/srv/work\nsearched\n"  # the other prompt's file is invisible
-    timed_out, after = _outputs(rows["timeout"])
+    timed_out, started, probe = _outputs(rows["timeout"])
     assert timed_out["exit_code"] is None and "timed out after 2 s" in timed_out["error"] and "begun" in timed_out["output"]
-    assert "sleep 425" not in after["output"]  # setsid or not, nothing of the timed-out call survived
+    assert started["output"] == "started\n"
+    lines = probe["output"].splitlines()
+    assert lines[0] == "0"  # setsid or not, nothing a call started (on time or not) survived it
+    caps = dict(line.split(":\t") for line in lines if line.startswith("Cap"))
+    assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
+    assert "600" in lines and "chown=1" in lines  # CPU seconds limited per process; no privileges
     assert rows["in app"]["metadata"]["image"] == busybox_image
     failures = read_jsonl(cli.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 3)]

@@ -4,9 +4,11 @@ Apptainer itself cannot be installed here; the backend does not know it talks to
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +57,8 @@ async def _session(sandbox, *commands: str, timeout: float = 30):
     return results
 
 
-def test_runs_in_the_image_at_the_cwd_as_nobody_without_network_or_secrets(config, busybox_image, monkeypatch):
+def test_runs_in_the_image_at_the_cwd_as_nobody_without_network_or_secrets(config, busybox_image, monkeypatch,
+                                                                           apptainer_standin):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     assert asyncio.run(check_images([busybox_image], config)) == {busybox_image: None}
     sandbox = open_sandbox(config, "p1", busybox_image, "/srv/app")
@@ -65,13 +68,16 @@ def test_runs_in_the_image_at_the_cwd_as_nobody_without_network_or_secrets(confi
         result = await sandbox.run(probe, 30)
         listed = mine(config)
         host_dir = sandbox.host_dir
+        state = Path(apptainer_standin["APPTAINER_STANDIN_STATE"], "instances", sandbox.name, "state.json")
+        options = json.loads(state.read_text())["options"]
         await sandbox.close()
-        return result, listed, host_dir
+        return result, listed, host_dir, options
 
-    result, listed, host_dir = asyncio.run(session())
+    result, listed, host_dir, options = asyncio.run(session())
     lines = result.output.splitlines()
     assert lines[:3] == ["/srv/app", "65534", "no-bash"], result.output
     assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
+    assert "sk-secret" not in apptainer.runtime_env().values()  # nor does it reach the runtime's CLI
     assert "LANG=C.UTF-8" in lines and "PYTHONUNBUFFERED=1" in lines
     interfaces = [line.split(":")[0].strip() for line in lines if ":" in line and "|" not in line and "=" not in line]
     assert interfaces == ["lo"]
