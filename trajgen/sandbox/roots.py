@@ -65,7 +65,8 @@ def remove_root(root: str) -> None:
 
 def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bool) -> str:
     """A fresh work dir for prompt `key` under the run's root (a retried prompt starts clean): a tmpfs
-    of `size_mb` when `sized` (root only), owned by `owner` when given. OSError if it cannot be made."""
+    of `size_mb` when `sized` (root only), owned by `owner` when given. OSError if it cannot be made,
+    ValueError if `key` is not a plain file name."""
     if not key or "/" in key or key in (".", ".."):
         raise ValueError(f"sandbox key {key!r} is not a plain file name")
     path = os.path.join(os.path.realpath(root), key)
