@@ -14,7 +14,7 @@ import pytest
 
 from tests.standins import builds, live_instances
 from trajgen.sandbox import SandboxError, apptainer, read_file
-from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox, reap
+from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, limit_notices, open_sandbox, reap
 
 pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]
 
@@ -157,3 +157,9 @@ def test_without_a_runtime_on_path_images_are_unavailable(config, busybox_image,
         monkeypatch.undo()
         apptainer.runtime.cache_clear()
     assert report == {busybox_image: "neither apptainer nor singularity is on PATH"}
+
+
+def test_a_runner_that_is_not_root_is_told_which_limits_instances_lack(config, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    [notice] = limit_notices(config)
+    assert notice.startswith("the runner is not root: apptainer instances get per-process limits only")

@@ -65,6 +65,13 @@ def runtime_env() -> dict[str, str]:
     return env | {f"{runtime().upper()}ENV_{k}": v for k, v in PASSED.items()}
 
 
+def limit_notices() -> list[str]:
+    if os.geteuid() == 0:
+        return []
+    return ["the runner is not root: apptainer instances get per-process limits only (CPU time, data and file "
+            "size); no memory, process or CPU limit per instance, and no size limit on their work dirs"]
+
+
 def _local_sif(image: str) -> bool:
     return image.endswith(".sif") and "://" not in image
 

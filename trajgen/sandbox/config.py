@@ -53,7 +53,9 @@ def runs_images(backend: str) -> bool:
 
 
 def limit_notices(config: SandboxConfig) -> list[str]:
-    """What the local sandboxes cannot limit on this machine, to say once at the start of a run."""
+    """What the sandboxes cannot limit on this machine, to say once at the start of a run."""
+    if config.backend == "apptainer":
+        return apptainer.limit_notices()
     if config.backend != "local" or bwrap_problem():
         return []
     notices = []
