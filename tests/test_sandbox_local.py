@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import subprocess
@@ -21,6 +22,21 @@ from trajgen.sandbox.roots import sweep_stale_roots
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
+# One event loop for the module, as a worker has one: a sandbox's command loop lives across calls,
+# and its pipes must not outlive the loop they belong to (asyncio.run per call closed it under them).
+_runner = asyncio.Runner()
+
+
+def arun(coro):
+    return _runner.run(coro)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_loop():
+    yield
+    gc.collect()  # sandboxes the tests dropped release their pipes while the loop is still open
+    _runner.close()
+
 
 @pytest.fixture
 def config(tmp_path: Path):
@@ -30,7 +46,7 @@ def config(tmp_path: Path):
 
 
 def run(sandbox, command: str, timeout: float = 30):
-    return asyncio.run(sandbox.run(command, timeout))
+    return arun(sandbox.run(command, timeout))
 
 
 def survivors(marker: str) -> str:
@@ -72,9 +88,9 @@ def test_command_cannot_write_outside_its_work_dir(config):
 def test_prompts_cannot_see_each_others_files(config):
     first = open_sandbox(config, "first", None, None)
     second = open_sandbox(config, "second", None, None)
-    asyncio.run(first.write_file("secret.txt", b"TOKEN-1234"))
+    arun(first.write_file("secret.txt", b"TOKEN-1234"))
     # run both at once: each sees only its own work dir at /workspace
-    a, listing, peek = asyncio.run(_gather(
+    a, listing, peek = arun(_gather(
         first.run("sleep 0.5; cat secret.txt", 30),
         second.run("ls -A /workspace", 30),
         second.run(f"cat {first.host_dir}/secret.txt /workspace/../first/secret.txt; ls -R {config.root_dir}", 30),
@@ -83,7 +99,7 @@ def test_prompts_cannot_see_each_others_files(config):
     assert listing.output == ""
     assert "TOKEN-1234" not in peek.output and peek.exit_code != 0
     with pytest.raises(SandboxError):
-        asyncio.run(read_file(second, f"{first.host_dir}/secret.txt", 1 << 20))
+        arun(read_file(second, f"{first.host_dir}/secret.txt", 1 << 20))
 
 
 async def _gather(*coroutines):
@@ -122,7 +138,7 @@ def test_a_cancelled_command_leaves_nothing_running(config):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(cancel_midway())
+    arun(cancel_midway())
     time.sleep(0.2)
     assert survivors("sleep 426") == ""
 
@@ -183,17 +199,17 @@ def test_resource_limits_apply(tmp_path):
 
 def test_files_map_to_the_work_dir_and_escapes_are_refused(config):
     sandbox = open_sandbox(config, "p1", None, None)
-    asyncio.run(sandbox.write_file("a/b/new.txt", b"made by the host"))
-    assert asyncio.run(read_file(sandbox, "/workspace/a/b/new.txt", 1 << 20)) == b"made by the host"
+    arun(sandbox.write_file("a/b/new.txt", b"made by the host"))
+    assert arun(read_file(sandbox, "/workspace/a/b/new.txt", 1 << 20)) == b"made by the host"
     # a host-written file belongs to the command's user: commands can change it
     links = "ln -s /etc/passwd link && ln -s / root && ln -s new.txt a/b/alias"
     assert run(sandbox, f"echo appended >> a/b/new.txt && {links}").exit_code == 0
-    assert asyncio.run(read_file(sandbox, "a/b/alias", 1 << 20)) == b"made by the host" + b"appended\n"
+    assert arun(read_file(sandbox, "a/b/alias", 1 << 20)) == b"made by the host" + b"appended\n"
     for path in ("/etc/passwd", "../x", "a/../../x", "/workspace/../etc/passwd", "link", "root/etc/passwd", ""):
         with pytest.raises(SandboxError):
-            asyncio.run(read_file(sandbox, path, 1 << 20))
+            arun(read_file(sandbox, path, 1 << 20))
         with pytest.raises(SandboxError):
-            asyncio.run(sandbox.write_file(path, b"x"))
+            arun(sandbox.write_file(path, b"x"))
     assert open("/etc/passwd", "rb").read() != b"x"
 
 
@@ -201,13 +217,13 @@ def test_reading_a_fifo_is_refused_instead_of_hanging(config):
     sandbox = open_sandbox(config, "p1", None, None)
     run(sandbox, "mkfifo pipe")
     with pytest.raises(SandboxError, match="not a regular file"):
-        asyncio.run(read_file(sandbox, "pipe", 1 << 20))
+        arun(read_file(sandbox, "pipe", 1 << 20))
 
 
 def test_work_dir_can_be_mounted_at_the_rows_cwd(config):
     sandbox = open_sandbox(config, "p1", None, "/home/user/project")
     assert sandbox.cwd == "/home/user/project"
-    asyncio.run(sandbox.write_file("/home/user/project/main.py", b"print(1)\n"))
+    arun(sandbox.write_file("/home/user/project/main.py", b"print(1)\n"))
     assert run(sandbox, "pwd; cat main.py").output == "/home/user/project\nprint(1)\n"
     for bad in ("relative/dir", "/usr/src", "/", "/proc/x"):
         with pytest.raises(SandboxError):
@@ -217,12 +233,12 @@ def test_work_dir_can_be_mounted_at_the_rows_cwd(config):
 def test_close_removes_the_work_dir_unless_kept(config, tmp_path):
     sandbox = open_sandbox(config, "p1", None, None)
     run(sandbox, "echo x > file")
-    asyncio.run(sandbox.close())
+    arun(sandbox.close())
     assert not os.path.exists(sandbox.host_dir)
     kept_config = SandboxConfig(root_dir=str(tmp_path / "kept"), keep=True)
     kept = open_sandbox(kept_config, "p1", None, None)
     run(kept, "echo x > file")
-    asyncio.run(kept.close())
+    arun(kept.close())
     assert os.path.exists(os.path.join(kept.host_dir, "file"))
 
 
@@ -295,7 +311,7 @@ def test_a_bare_config_has_no_side_effects(tmp_path, monkeypatch):
 def test_each_command_of_a_prompt_starts_as_in_a_fresh_sandbox(config):
     """One sandbox serves the prompt, but /tmp and the shell do not carry over; files do."""
     sandbox = open_sandbox(config, "p1", None, None)
-    first, second = asyncio.run(_in_turn(
+    first, second = arun(_in_turn(
         sandbox, "echo kept > note; echo gone > /tmp/scratch; mkdir /tmp/dir; export X=1",
         "cat note; ls -A /tmp; echo X=$X",
     ))
@@ -312,8 +328,8 @@ async def _in_turn(sandbox, *commands):
 
 def test_a_sandbox_whose_command_loop_dies_is_started_again(config):
     sandbox = open_sandbox(config, "p1", None, None)
-    asyncio.run(sandbox.write_file("kept.txt", b"still here"))
-    lost, after = asyncio.run(_in_turn(sandbox, "kill -9 $(cut -d' ' -f4 /proc/$PPID/stat); sleep 4271", "cat kept.txt"))
+    arun(sandbox.write_file("kept.txt", b"still here"))
+    lost, after = arun(_in_turn(sandbox, "kill -9 $(cut -d' ' -f4 /proc/$PPID/stat); sleep 4271", "cat kept.txt"))
     assert lost.exit_code is None and "stopped unexpectedly" in lost.error
     assert (after.output, after.exit_code) == ("still here", 0)
     time.sleep(0.2)
