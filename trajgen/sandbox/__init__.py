@@ -45,6 +45,8 @@ class SandboxConfig:
     max_processes: int = 512  # per sandbox
     file_size_mb: int = 1024  # largest file a command may write
     cpus: float = 1.0  # container backends only
+    modal_app: str = "trajgen"  # the Modal app the sandboxes run under
+    modal_timeout: int = 3600  # seconds a Modal sandbox may live
 
 
 class Sandbox(Protocol):

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups, docker
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups, docker, modal_sandbox
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
@@ -35,6 +35,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "local": Backend(open_local),
     "docker": Backend(docker.open_docker, docker.check_image, docker.remove_containers),
+    "modal": Backend(modal_sandbox.open_modal, modal_sandbox.check_image, modal_sandbox.remove_sandboxes),
 }
 
 
