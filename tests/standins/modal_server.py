@@ -240,7 +240,10 @@ class Router(_unimplemented(task_command_router_grpc.TaskCommandRouterBase)):
         sandbox = self.s.sandbox(task_id=request.task_id)
         if sandbox.result is not None:
             raise GRPCError(Status.NOT_FOUND, f"task {request.task_id} has finished")
-        env = [arg for k, v in request.env.items() for arg in ("-e", f"{k}={v}")]
+        if any(source.secret_id for source in request.secret_sources):
+            raise GRPCError(Status.UNIMPLEMENTED, "named Secrets are not served by the local Modal stand-in")
+        variables = {**request.env, **{k: v for source in request.secret_sources for k, v in source.env.contents.items()}}
+        env = [arg for k, v in variables.items() for arg in ("-e", f"{k}={v}")]
         proc = await asyncio.create_subprocess_exec(
             "docker", "exec", "-i", *(["-w", request.workdir] if request.workdir else []), *env, sandbox.container,
             *request.command_args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
