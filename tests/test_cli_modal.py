@@ -110,5 +110,18 @@ def test_resume_terminates_the_sandboxes_a_killed_runner_left(cli, scripted_serv
     server.open_gate("held")
     done = cli.run(*args, "--resume")
     assert done.returncode == 0, done.stderr
+    assert "deprecat" not in done.stderr.lower()  # the environment-wide listing by tag is quiet
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
     assert modal_standin.containers(RUN_TAG) == []
+
+
+def test_without_modal_credentials_each_image_fails_on_one_line(cli, scripted_server, modal_standin, busybox_image):
+    server = scripted_server({"default": [think("done")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
+    cli.env.update(modal_standin.env)
+    del cli.env["MODAL_TOKEN_ID"], cli.env["MODAL_TOKEN_SECRET"]  # the stand-in's address, and no token
+    done = cli.run(*cli.args(server, terminal_backend="modal"))
+    assert done.returncode == 1
+    assert f"image {busybox_image} is unavailable (Modal cannot build image {busybox_image}: AuthError: Token missing" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert server.requests() == []

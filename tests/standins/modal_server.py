@@ -78,6 +78,7 @@ class Exec:
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     done: asyncio.Event = field(default_factory=asyncio.Event)  # the process ended and its output is read
+    grew: asyncio.Condition = field(default_factory=asyncio.Condition)  # notified on new output and at the end
     stdin_written: int = 0
     stdin_closed: bool = False
 
@@ -254,6 +255,8 @@ class Router(_unimplemented(task_command_router_grpc.TaskCommandRouterBase)):
             while chunk := await source.read(65536):
                 if keep:
                     sink += chunk
+                    async with ex.grew:
+                        ex.grew.notify_all()
 
         async def run() -> None:
             pumps = asyncio.gather(pump(proc.stdout, ex.stdout, request.stdout_config == piped),
@@ -263,7 +266,9 @@ class Router(_unimplemented(task_command_router_grpc.TaskCommandRouterBase)):
             except TimeoutError:
                 proc.kill()
             await pumps
-            ex.done.set()
+            async with ex.grew:
+                ex.done.set()
+                ex.grew.notify_all()
 
         asyncio.ensure_future(run())
         await stream.send_message(router_pb2.TaskExecStartResponse())
@@ -274,15 +279,13 @@ class Router(_unimplemented(task_command_router_grpc.TaskCommandRouterBase)):
         out = ex.stderr if request.file_descriptor == router_pb2.TASK_EXEC_STDIO_FILE_DESCRIPTOR_STDERR else ex.stdout
         offset = request.offset
         while True:
-            finished = ex.done.is_set()
-            if offset < len(out):
-                data = bytes(out[offset:offset + (1 << 20)])
-                offset += len(data)
-                await stream.send_message(router_pb2.TaskExecStdioReadResponse(data=data))
-            elif finished:
+            async with ex.grew:
+                await ex.grew.wait_for(lambda: offset < len(out) or ex.done.is_set())
+            if offset >= len(out):
                 return
-            else:
-                await asyncio.sleep(0.02)
+            data = bytes(out[offset:offset + (1 << 20)])
+            offset += len(data)
+            await stream.send_message(router_pb2.TaskExecStdioReadResponse(data=data))
 
     async def _exit(self, ex: Exec, response: type) -> object:
         code = ex.proc.returncode

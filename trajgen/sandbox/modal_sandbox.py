@@ -35,8 +35,20 @@ def _sdk() -> ModuleType:
     try:
         import modal
     except ImportError:
-        raise SandboxError("the modal backend needs the modal SDK: pip install 'trajgen[modal]'") from None
+        raise SandboxError("the modal backend needs the modal SDK: pip install 'trajgen-batch-runner[modal]'") from None
     return modal
+
+
+async def _load_sdk() -> ModuleType:
+    """The SDK, imported off the event loop the first time (the import takes most of a second)."""
+    return await asyncio.to_thread(_sdk)
+
+
+def _failures(modal: ModuleType) -> tuple[type[BaseException], ...]:
+    """What Modal can raise for reasons of its own: its error tree, grpclib's and the connection's."""
+    import grpclib.exceptions
+
+    return modal.exception.Error, grpclib.exceptions.GRPCError, grpclib.exceptions.StreamTerminatedError, OSError
 
 
 def _line(error: BaseException) -> str:
@@ -49,9 +61,7 @@ def _modal_errors(what: str) -> Iterator[None]:
     """Modal's errors (auth, quota, not found, connection) as one SandboxError line, never a traceback."""
     try:
         yield
-    except SandboxError:
-        raise
-    except Exception as e:  # noqa: BLE001  the SDK raises its own Error tree, grpclib's and OS errors
+    except _failures(_sdk()) as e:
         raise SandboxError(f"{what}: {_line(e)}") from None
 
 
@@ -59,8 +69,24 @@ def _image(modal: ModuleType, ref: str):
     return modal.Image.from_registry(ref).entrypoint([])
 
 
+_apps: dict[str, object] = {}  # app name -> the looked-up App, once per process
+
+
 async def _app(modal: ModuleType, config: SandboxConfig):
-    return await modal.App.lookup.aio(config.modal_app, create_if_missing=True)
+    if config.modal_app not in _apps:
+        _apps[config.modal_app] = await modal.App.lookup.aio(config.modal_app, create_if_missing=True)
+    return _apps[config.modal_app]
+
+
+async def _exec(sandbox, *args: str, timeout: float, workdir: str | None, stderr: bool = True):
+    """Start a command in the sandbox, bytes out; Modal itself ends it a little after our own timeout."""
+    streams = _sdk().stream_type.StreamType
+    return await sandbox.exec.aio(*args, timeout=math.ceil(timeout) + GRACE, workdir=workdir, env=ENV, text=False,
+                                  stderr=streams.PIPE if stderr else streams.DEVNULL)
+
+
+async def _stderr_line(process) -> str:
+    return _last_line((await process.stderr.read.aio()).decode("utf-8", "replace"))
 
 
 class ModalSandbox:
@@ -81,7 +107,7 @@ class ModalSandbox:
         return self._sandbox
 
     async def _start(self):
-        modal, c = _sdk(), self.config
+        modal, c = await _load_sdk(), self.config
         with _modal_errors(f"cannot start a Modal sandbox from image {self.image}"):
             sandbox = await modal.Sandbox.create.aio(
                 "sh", "-c", REAPER, app=await _app(modal, c), image=_image(modal, self.image),
@@ -89,24 +115,18 @@ class ModalSandbox:
                 memory=(c.memory_mb, c.memory_mb),
                 tags={"trajgen.session": c.label, "trajgen.run": c.run_id, "trajgen.key": self.key},
             )
-        try:
+        try:  # the work dir, before any exec names it as its workdir
             with _modal_errors(f"cannot prepare {self.cwd} in image {self.image}"):
-                made = await sandbox.exec.aio("mkdir", "-p", "--", self.cwd, timeout=int(c.command_timeout))
+                made = await _exec(sandbox, "mkdir", "-p", "--", self.cwd, timeout=c.command_timeout, workdir=None)
                 if await made.wait.aio() != 0:
-                    raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: "
-                                       f"{(await made.stderr.read.aio()).strip() or 'mkdir failed'}")
+                    raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {await _stderr_line(made)}")
         except SandboxError:
             await self._terminate(sandbox)
             raise
         return sandbox
 
     async def _exec(self, *args: str, timeout: float, stderr: bool = True):
-        modal = _sdk()
-        sandbox = await self._get()
-        return await sandbox.exec.aio(
-            *args, timeout=math.ceil(timeout) + GRACE, workdir=self.cwd, env=ENV, text=False,
-            stderr=modal.stream_type.StreamType.PIPE if stderr else modal.stream_type.StreamType.DEVNULL,
-        )
+        return await _exec(await self._get(), *args, timeout=timeout, workdir=self.cwd, stderr=stderr)
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         capture = Capture()
@@ -140,7 +160,7 @@ class ModalSandbox:
             except TimeoutError:
                 raise SandboxError(f"cannot read {path}: no end within {self.config.command_timeout:g} s") from None
             if code != 0:
-                raise SandboxError(f"cannot read {path}: {_last_line((await process.stderr.read.aio()).decode('utf-8', 'replace'))}")
+                raise SandboxError(f"cannot read {path}: {await _stderr_line(process)}")
 
     async def write_file(self, path: str, data: bytes) -> None:
         """The bytes go through the exec's stdin, a chunk at a time: exec arguments are size-limited."""
@@ -157,7 +177,7 @@ class ModalSandbox:
             except TimeoutError:
                 raise SandboxError(f"cannot write {path}: no end within {self.config.command_timeout:g} s") from None
             if code != 0:
-                raise SandboxError(f"cannot write {path}: {_last_line((await process.stderr.read.aio()).decode('utf-8', 'replace'))}")
+                raise SandboxError(f"cannot write {path}: {await _stderr_line(process)}")
 
     async def _terminate(self, sandbox) -> None:
         with _modal_errors("cannot terminate the Modal sandbox"):
@@ -176,7 +196,7 @@ def open_modal(config: SandboxConfig, key: str, image: str | None, cwd: str | No
 async def check_image(image: str, config: SandboxConfig) -> str | None:
     """None if Modal can build (or has cached) the image, else a one-line reason."""
     try:
-        modal = _sdk()
+        modal = await _load_sdk()
         with _modal_errors(f"Modal cannot build image {image}"):
             await _image(modal, image).build.aio(await _app(modal, config))
     except SandboxError as e:
@@ -199,5 +219,5 @@ def remove_sandboxes(tag: str, value: str) -> None:
         try:
             for sandbox in modal.Sandbox.list(tags={tag: value}):
                 sandbox.terminate()
-        except Exception:  # noqa: BLE001  cleanup must not turn a finished run into a traceback
+        except _failures(modal):  # unreachable or not authenticated: nothing we could remove
             pass
