@@ -3,6 +3,7 @@ not Modal itself, whose sandboxes run off this machine; the stand-in runs them o
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 
@@ -28,16 +29,26 @@ async def _session(sandbox, *commands: str, timeout: float = 30):
     return results
 
 
-def test_runs_in_the_image_at_the_cwd_without_network_or_our_env(config, busybox_image, modal_standin, monkeypatch):
+def test_runs_in_the_image_at_the_cwd_with_the_limits_asked_and_none_of_our_env(config, busybox_image, modal_standin, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     sandbox = open_sandbox(config, "p1", busybox_image, "/srv/app")
-    [result] = asyncio.run(_session(sandbox, "pwd; command -v bash || echo no-bash; env; cat /proc/net/dev; echo err >&2"))
+
+    async def session():
+        result = await sandbox.run("pwd; command -v bash || echo no-bash; env; echo err >&2", 30)
+        [container] = modal_standin.containers(f"modal-standin.tag.trajgen.session={config.label}",
+                                               "modal-standin.tag.trajgen.key=p1")
+        asked = subprocess.run(["docker", "inspect", "-f", '{{index .Config.Labels "modal-standin.network"}} '
+                                "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}}", container],
+                               capture_output=True, text=True).stdout.split()
+        await sandbox.close()
+        return result, asked
+
+    result, asked = asyncio.run(session())
+    assert asked == ["blocked", str(256 << 20), str(10**9)]  # what the backend asked the stand-in for
     assert result.exit_code == 0, result
     lines = result.output.splitlines()
     assert lines[:2] == ["/srv/app", "no-bash"]
     assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
-    interfaces = [line.split(":")[0].strip() for line in lines if ":" in line and "|" not in line and "=" not in line]
-    assert interfaces == ["lo"]
     assert lines[-1] == "err"  # stderr comes back in the same stream
     assert modal_standin.containers(f"modal-standin.tag.trajgen.session={config.label}") == []  # closed: terminated
 
@@ -86,7 +97,7 @@ def test_missing_image_fails_clearly_and_check_images_says_why(config, busybox_i
 
 
 def test_cleanup_terminates_only_this_sessions_sandboxes(config, busybox_image, tmp_path, modal_standin):
-    other = SandboxConfig(backend="modal", root_dir=str(tmp_path / "other"))
+    other = SandboxConfig(backend="modal", root_dir=str(tmp_path / "other"), network=True)  # --sandbox_network
 
     def session(label: str) -> list[str]:
         return modal_standin.containers(f"modal-standin.tag.trajgen.session={label}")
@@ -102,5 +113,6 @@ def test_cleanup_terminates_only_this_sessions_sandboxes(config, busybox_image, 
     cleanup(config)
     assert session(config.label) == []
     assert len(session(other.label)) == 1
+    assert modal_standin.containers(f"modal-standin.tag.trajgen.session={other.label}", "modal-standin.network=open")
     cleanup(other)
     assert session(other.label) == []

@@ -6,8 +6,10 @@ makes, with the SDK's own generated service bases (`modal_proto.api_grpc`,
 `modal_proto.task_command_router_grpc`), so the wire format is exactly the SDK's. Any other call
 answers UNIMPLEMENTED and is logged to stderr. Sandboxes run locally as containers on the Docker
 engine DOCKER_HOST points at: an image is a registry reference that must already be in that engine
-(a missing one fails its build, as on Modal; nothing is pulled), `block_network` is
-`--network none`, and exec is `docker exec`. The command router is served on the same port.
+(a missing one fails its build, as on Modal; nothing is pulled), exec is `docker exec`, and every
+container has `--network none` whatever was asked (nothing here may reach past loopback): the
+label `modal-standin.network` records whether the sandbox asked for its network blocked or open.
+The command router is served on the same port.
 
 Run: `python -m tests.standins.modal_server`; it prints `PORT <n>` when it listens, and on SIGTERM
 removes every container it started.
@@ -168,8 +170,13 @@ class API(_unimplemented(api_grpc.ModalClientBase)):
         sandbox = SandboxState(_id("sb", "v2"), _id("ta", "V"), request.app_id, d.image_id,
                                {t.tag_name: t.tag_value for t in request.tags}, time.time())
         args = list(d.entrypoint_args) or ["sleep", FOREVER]
-        code, out, err = await docker(
-            "run", "-d", "--pull", "never", *(["--network", "none"] if d.block_network else []),
+        access = d.network_access.network_access_type
+        if access not in (api_pb2.NetworkAccess.BLOCKED, api_pb2.NetworkAccess.OPEN):
+            raise GRPCError(Status.UNIMPLEMENTED, "only blocked or open network access is served by the stand-in")
+        blocked = access == api_pb2.NetworkAccess.BLOCKED or d.block_network
+        code, out, err = await docker(  # no network in any case here; the label records what was asked
+            "run", "-d", "--pull", "never", "--network", "none",
+            "--label", f"{LABEL}.network={'blocked' if blocked else 'open'}",
             *(["--memory", f"{d.resources.memory_mb_max or d.resources.memory_mb}m"] if d.resources.memory_mb else []),
             *(["--cpus", f"{(d.resources.milli_cpu_max or d.resources.milli_cpu) / 1000:g}"] if d.resources.milli_cpu else []),
             *(["-w", d.workdir] if d.workdir else []), "--label", f"{LABEL}={self.s.server_id}",
