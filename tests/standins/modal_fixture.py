@@ -31,15 +31,17 @@ class ModalStandIn:
 
 
 @pytest.fixture(scope="session")
-def modal_standin(docker_engine: str, busybox_image: str) -> Iterator[ModalStandIn]:
-    pytest.importorskip("modal", reason="the modal SDK is not installed (pip install 'trajgen[modal]')")
-    process = subprocess.Popen([sys.executable, "-m", "tests.standins.modal_server"], cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+def modal_standin(docker_engine: str, busybox_image: str, tmp_path_factory) -> Iterator[ModalStandIn]:
+    pytest.importorskip("modal", reason="the modal SDK is not installed (pip install 'trajgen-batch-runner[modal]')")
+    log = tmp_path_factory.mktemp("modal-standin") / "server.log"  # the calls it does not serve are named there
+    with open(log, "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "tests.standins.modal_server"], cwd=ROOT,
+                                   env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=stderr,
+                                   text=True, start_new_session=True)
     line = process.stdout.readline()  # blocks until it listens or dies
     if not line.startswith("PORT "):
         process.wait(timeout=30)
-        pytest.fail(f"the Modal stand-in did not start: {process.stderr.read()}")
+        pytest.fail(f"the Modal stand-in did not start: {log.read_text()}")
     env = {"MODAL_SERVER_URL": f"http://127.0.0.1:{line.split()[1]}", "MODAL_TOKEN_ID": "ak-standin",
            "MODAL_TOKEN_SECRET": "as-standin"}
     saved = {k: os.environ.get(k) for k in env}

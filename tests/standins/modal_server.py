@@ -76,6 +76,7 @@ class SandboxState:
 
 @dataclass
 class Exec:
+    sandbox_id: str
     proc: asyncio.subprocess.Process
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
@@ -108,6 +109,8 @@ class State:
                 sandbox.timer.cancel()
             if sandbox.container:
                 await docker("rm", "-f", sandbox.container)
+            for exec_id in [i for i, ex in self.execs.items() if ex.sandbox_id == sandbox.id]:
+                del self.execs[exec_id]  # its output with it: the stand-in's memory follows the live sandboxes
 
 
 def _unimplemented(base: type) -> type:
@@ -255,7 +258,7 @@ class Router(_unimplemented(task_command_router_grpc.TaskCommandRouterBase)):
         proc = await asyncio.create_subprocess_exec(
             "docker", "exec", "-i", *(["-w", request.workdir] if request.workdir else []), *env, sandbox.container,
             *request.command_args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        ex = self.s.execs[request.exec_id] = Exec(proc)
+        ex = self.s.execs[request.exec_id] = Exec(sandbox.id, proc)
         piped = router_pb2.TaskExecStdoutConfig.TASK_EXEC_STDOUT_CONFIG_PIPE
 
         async def pump(source: asyncio.StreamReader, sink: bytearray, keep: bool) -> None:
