@@ -1,4 +1,4 @@
-"""End to end with the modal backend: the real CLI and the real modal SDK (1.6.x) against the local
+"""End to end with the modal backend: the real CLI and the real modal SDK (1.6.4) against the local
 stand-in of tests/standins/modal_server.py, not Modal itself. The stand-in serves Modal's gRPC API
 and task command router on 127.0.0.1 and runs each sandbox as a container on the private Docker
 engine (always without network: a label records whether the backend asked Modal to block it)."""

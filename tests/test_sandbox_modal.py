@@ -1,4 +1,4 @@
-"""The modal sandbox through the real modal SDK against the local stand-in (tests/standins/modal_server.py):
+"""The modal sandbox through the real modal SDK (1.6.4) against the local stand-in (tests/standins/modal_server.py):
 not Modal itself, whose sandboxes run off this machine; the stand-in runs them on the private Docker engine."""
 from __future__ import annotations
 
