@@ -11,14 +11,17 @@ from __future__ import annotations
 import os
 import sys
 
-import fire
-
-from trajgen import console, flags, options, run
+from trajgen import options
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 
+# The rest is imported where it is used: every worker process re-imports this file (multiprocessing's
+# spawn), and the run's modules, rich and Fire would cost each of them half a second of CPU.
+
 
 def main(**flag_values) -> None:
+    from trajgen import console, run
+
     try:
         code = run.main(RunOptions(**flag_values))
     except UsageError as e:
@@ -44,7 +47,11 @@ main.__doc__ = options.docstring("Run a tool-using agent over every prompt of a 
 
 def cli(argv: list[str]) -> None:
     """Every argument is checked before anything starts; Fire renders --help."""
+    from trajgen import console, flags
+
     if flags.wants_help(argv):
+        import fire
+
         fire.Fire(main, command=["--help"], name="batch_runner.py")
         return
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import openai
 import pytest
 
 import model_tools
@@ -103,5 +102,5 @@ def test_errors_become_failed_outcomes_with_a_traceback_only_when_unforeseen(ctx
     assert "Traceback" in unforeseen.traceback and unforeseen.message == "ZeroDivisionError: boom"
     timeout = decide(TASK, error=errors.PromptTimeout("prompt ran past --prompt_timeout=1s"))
     assert (timeout.reason, timeout.traceback) == ("PromptTimeout", None)
-    api = decide(TASK, error=openai.APIConnectionError(request=None))
+    api = decide(TASK, error=errors.APIConnectionError())
     assert api.reason == "APIConnectionError" and api.traceback is None

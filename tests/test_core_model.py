@@ -94,3 +94,20 @@ def test_a_row_that_is_not_json_fails_in_the_worker_with_a_named_class():
     assert "Dict key must be str" in outcome.message and outcome.usage["cost"] == 0.25
     good = decide(TASK, row=agent.render_row(TASK, conv, SETTINGS))
     assert json.loads(good.row)["metadata"]["usage"]["cost"] == 0.25 and good.usage["cost"] == 0.25
+
+
+def test_the_proxy_comes_from_the_environment_and_no_proxy_is_honoured(monkeypatch):
+    from trajgen.llm import env_proxy
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+    assert env_proxy("https://openrouter.ai/api/v1/chat/completions") == "http://proxy.internal:3128"
+    assert env_proxy("https://127.0.0.1:8000/v1/chat/completions") is None
+    assert env_proxy("http://example.org/v1/chat/completions") is None  # no HTTP_PROXY set
+
+
+def test_null_token_counts_read_as_absent_and_other_non_counts_are_refused():
+    assert _usage({"prompt_tokens": None, "completion_tokens": 3, "completion_tokens_details": None})["prompt_tokens"] == 0
+    with pytest.raises(errors.MalformedResponse):
+        _usage({"prompt_tokens": "12"})

@@ -7,9 +7,13 @@ run checks that without it the web and browser tools refuse the site.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -52,15 +56,24 @@ def element_numbers(site_url: str) -> tuple[str, str]:
     return found[0], found[1]
 
 
-def chromium_pids() -> set[str]:
-    return set(subprocess.run(["pgrep", "-f", "chromium"], capture_output=True, text=True).stdout.split())
+@pytest.fixture
+def tmpdir_for_chromium() -> Iterator[Path]:
+    """The run's TMPDIR: a unique name to find its Chromium processes by, writable by Chromium's own user."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="trajgen-e2e-"))
+    tmpdir.chmod(0o1777)
+    yield tmpdir
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def chromium_left(before: set[str], timeout: float = 30) -> set[str]:
-    """Chromium processes started since `before` still alive after `timeout` (they exit just after
-    their worker: Playwright's driver closes the browser when its worker's pipe closes)."""
+def chromium_left(tmpdir: Path, timeout: float = 30) -> list[str]:
+    """The run's Chromium processes (their profile is in the run's TMPDIR, so no one else's match)
+    still alive after `timeout`: they exit just after their worker, when Playwright's driver sees
+    its worker's pipe close."""
+    def alive() -> list[str]:
+        found = subprocess.run(["pgrep", "-af", str(tmpdir)], capture_output=True, text=True).stdout
+        return [line for line in found.splitlines() if "chrom" in line]
     deadline = time.monotonic() + timeout
-    while (left := chromium_pids() - before) and time.monotonic() < deadline:
+    while (left := alive()) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -76,7 +89,9 @@ def tool_results(row: dict) -> dict[str, dict]:
 
 
 @pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser toolset needs chromium: {LAUNCH_PROBLEM}")
-def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_server, local_site, fake_api, monkeypatch):
+def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_server, local_site, fake_api, monkeypatch,
+                                                                 tmpdir_for_chromium):
+    tmpdir = tmpdir_for_chromium
     monkeypatch.setenv("TRAJGEN_CHROMIUM_ARGS", LOOPBACK_ONLY)
     site = local_site.url
     link, field = element_numbers(site)
@@ -103,10 +118,9 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
                               "match": [{"contains": VISION_QUESTION, "replies": [{"content": "A tiny cat."}]}]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
     seed = seed_sampling(cli.cwd / "prompts.jsonl", "browser_use", {"browser", "web", "vision"})
-    before = chromium_pids()
 
     done = cli.run(*cli.args(server, distribution="browser_use", seed=seed, max_turns=15, allow_private_urls=True),
-                   env={"SEARXNG_URL": searxng.url, "TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY})
+                   env={"SEARXNG_URL": searxng.url, "TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY, "TMPDIR": str(tmpdir)})
 
     assert done.returncode == 0, done.stderr
     rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
@@ -133,7 +147,7 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
     assert any("HeadlessChrome" in r["headers"]["user-agent"] for r in local_site.requests)
     statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
     assert statistics["tool_statistics"]["browser_type"]["success_rate"] == 1.0
-    assert chromium_left(before) == set()  # every worker's browser is gone with the run
+    assert chromium_left(tmpdir) == []  # every worker's browser is gone with the run
 
 
 @pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser toolset needs chromium: {LAUNCH_PROBLEM}")

@@ -3,12 +3,12 @@ publishes prices, and show what would run. Nothing else is spent and nothing is 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import httpx
-import openai
 from rich.table import Table
 
-from trajgen import console, llm
+from trajgen import console, errors, llm
 from trajgen.plan import Plan
 from trajgen.work import ModelSettings
 
@@ -19,14 +19,13 @@ ASSUMED_COMPLETION_TOKENS = 500
 
 async def _probe(settings: ModelSettings) -> str | None:
     """None when the endpoint answers a one-token request, else why it does not."""
-    client = llm.make_client(settings, connections=1)
+    endpoint = llm.Endpoint(settings, connections=1)
     try:
-        await client.chat.completions.create(model=settings.model, max_tokens=1,
-                                             messages=[{"role": "user", "content": "ping"}])
-    except (openai.APIStatusError, openai.APIConnectionError) as e:
+        await endpoint.post(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
+    except (errors.APIStatusError, errors.APIConnectionError) as e:
         return f"{type(e).__name__}: {getattr(e, 'message', e)}"
     finally:
-        await client.close()
+        await endpoint.close()
     return None
 
 

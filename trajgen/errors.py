@@ -1,9 +1,12 @@
 """Errors that decide a prompt's final state or stop the run.
 
 A failed prompt records the class name of its error; resume retries it. Anything not listed
-here (nor an error of the openai client) that escapes a conversation fails the prompt as
-InternalError, with its traceback kept.
+here that escapes a conversation fails the prompt as InternalError, with its traceback kept.
 """
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
 
 
 class UsageError(Exception):
@@ -73,3 +76,58 @@ class DiskFull(Exception):
     def __init__(self, path):
         super().__init__(f"no space left on the device writing {path}")
         self.path = path
+
+
+class APIError(Exception):
+    """The chat endpoint failed a request. The classes are named as the openai SDK names them,
+    so failures.jsonl reads as it would through the SDK; the workers never import it (a second of
+    CPU per process)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class APIConnectionError(APIError):
+    def __init__(self, message: str = "Connection error."):
+        super().__init__(message)
+
+
+class APITimeoutError(APIConnectionError):
+    def __init__(self) -> None:
+        super().__init__("Request timed out.")
+
+
+class APIStatusError(APIError):
+    """A reply with a status other than 2xx; `headers` carry Retry-After."""
+
+    def __init__(self, message: str, status_code: int, headers: Mapping[str, str]):
+        super().__init__(message)
+        self.status_code, self.headers = status_code, headers
+
+
+class BadRequestError(APIStatusError): ...
+class AuthenticationError(APIStatusError): ...
+class PermissionDeniedError(APIStatusError): ...
+class NotFoundError(APIStatusError): ...
+class ConflictError(APIStatusError): ...
+class UnprocessableEntityError(APIStatusError): ...
+class RateLimitError(APIStatusError): ...
+class InternalServerError(APIStatusError): ...
+
+
+STATUS_ERRORS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
+    409: ConflictError, 422: UnprocessableEntityError, 429: RateLimitError,
+}
+
+
+def status_error(status: int, headers: Mapping[str, str], body: bytes) -> APIStatusError:
+    """The error for a non-2xx reply, worded as the SDK words it: `Error code: 429 - {...}`."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        message = f"Error code: {status} - {json.loads(text)}"
+    except ValueError:
+        message = text or f"Error code: {status}"
+    kind = STATUS_ERRORS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
+    return kind(message, status, headers)

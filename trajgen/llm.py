@@ -1,4 +1,4 @@
-"""Model calls: one client per worker, one retry policy, and a signal when the endpoint throttles.
+"""Model calls: one connection pool per worker, one retry policy, and a signal when the endpoint throttles.
 
 Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
@@ -14,16 +14,16 @@ import asyncio
 import email.utils
 import random
 import time
-import weakref
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
-import httpx
-import openai
+import aiohttp
 import orjson
-from openai._constants import DEFAULT_CONNECTION_LIMITS
 
-from trajgen.errors import FatalAPIError, MalformedResponse, ProviderError
+from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, FatalAPIError, MalformedResponse,
+                            ProviderError, status_error)
 from trajgen.work import ModelSettings
 
 BACKOFF_BASE = 1.0
@@ -32,19 +32,52 @@ RETRY_AFTER_CAP = 120.0
 FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "access denied"}
 OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
 
-JSON_BODY = {"headers": {"Content-Type": "application/json"}}
-_answered: weakref.WeakSet = weakref.WeakSet()  # clients whose endpoint has answered at least once
 
 
-def make_client(settings: ModelSettings, connections: int) -> openai.AsyncOpenAI:
-    """One client per worker so connections are reused across all its conversations.
+class Endpoint:
+    """One worker's connection to the chat endpoint, shared by all its conversations.
 
-    aiohttp underneath: with a hundred requests in flight, httpx's connection pool costs about
-    ten times the CPU per request (bench/RESULTS.md)."""
-    limits = type(DEFAULT_CONNECTION_LIMITS)(max_connections=connections, max_keepalive_connections=connections)
-    http = openai.DefaultAioHttpClient(limits=limits, timeout=settings.request_timeout)
-    return openai.AsyncOpenAI(base_url=settings.base_url, api_key=settings.api_key, max_retries=0,
-                              timeout=settings.request_timeout, http_client=http)
+    aiohttp directly, not the openai SDK: its request pipeline and httpx layer cost about 0.75 ms
+    of CPU per call here, and importing it a second per worker process (bench/RESULTS.md). The
+    errors keep the SDK's class names (trajgen/errors.py)."""
+
+    def __init__(self, settings: ModelSettings, connections: int) -> None:
+        self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
+        self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
+                        "Accept": "application/json"}
+        self.timeout = aiohttp.ClientTimeout(total=settings.request_timeout)
+        self.connections = connections
+        self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
+        self._session: aiohttp.ClientSession | None = None
+
+    async def post(self, body: bytes) -> bytes:
+        """The body of a 2xx reply to a serialized request, or the error for what happened."""
+        if self._session is None:  # created on the loop that uses it
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections),
+                                                  timeout=self.timeout, proxy=env_proxy(self.url))
+        try:
+            async with self._session.post(self.url, data=body, headers=self.headers) as response:
+                content = await response.read()
+        except TimeoutError as e:
+            raise APITimeoutError() from e
+        except aiohttp.ClientError as e:
+            raise APIConnectionError() from e
+        if not 200 <= response.status < 300:
+            raise status_error(response.status, response.headers, content)
+        return content
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def env_proxy(url: str) -> str | None:
+    """The proxy the environment names for `url` (HTTPS_PROXY, NO_PROXY, ...), looked up once:
+    aiohttp's trust_env looks it up again in a thread for every request, half a call's CPU."""
+    parts = urllib.parse.urlsplit(url)
+    if urllib.request.proxy_bypass_environment(parts.hostname or ""):
+        return None
+    return urllib.request.getproxies_environment().get(parts.scheme)
 
 
 def describe(error: BaseException) -> tuple[str, str]:
@@ -54,16 +87,16 @@ def describe(error: BaseException) -> tuple[str, str]:
     while cause is not None and len(causes) < 10:
         causes.append(cause)
         cause = cause.__cause__ or cause.__context__
-    if isinstance(error, openai.APITimeoutError) and any(
+    if isinstance(error, APIConnectionError) and any(
             isinstance(c, OSError) and not isinstance(c, TimeoutError) for c in causes):
-        return openai.APIConnectionError.__name__, f"cannot connect: {causes[-1]}"[:2000]
+        return APIConnectionError.__name__, f"cannot connect: {causes[-1]}"[:2000]
     message = str(error) + (f" ({causes[-1]})" if causes and str(causes[-1]) not in str(error) else "")
     return type(error).__name__, message[:2000]
 
 
 def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
                  forbid_tools: bool = False) -> dict:
-    """The body of one call as the endpoint receives it (the extra body merged in, as the SDK does)."""
+    """The body of one call as the endpoint receives it (the extra body merged in at the top level)."""
     args: dict = {"model": settings.model, "messages": messages}
     if tools:
         args["tools"] = tools
@@ -117,15 +150,14 @@ def parse_completion(body: bytes) -> Completion:
     return Completion(message, data.get("usage"), data.get("model"), data.get("provider"))
 
 
-def _retry_after(response) -> float | None:
-    if response is None:
-        return None
-    if value := response.headers.get("retry-after-ms"):
+def _retry_after(headers) -> float | None:
+    """Seconds the endpoint asks us to wait (Retry-After-Ms, Retry-After: seconds or a date)."""
+    if value := headers.get("retry-after-ms"):
         try:
             return float(value) / 1000
         except ValueError:
             pass
-    value = response.headers.get("retry-after")
+    value = headers.get("retry-after")
     if not value:
         return None
     try:
@@ -137,7 +169,7 @@ def _retry_after(response) -> float | None:
 
 def status_of(error: Exception) -> int | None:
     """The HTTP status an error stands for: a real one, or the one an error object in a 200 names."""
-    if isinstance(error, openai.APIStatusError):
+    if isinstance(error, APIStatusError):
         return error.status_code
     if isinstance(error, ProviderError):
         return error.status
@@ -156,7 +188,7 @@ def backoff(previous: float) -> float:
 def retry_wait(error: Exception, previous: float, answered: bool) -> float | None:
     """Seconds to wait before the next try, or None when this error must not be retried.
     `previous` is the last wait (0 before the first retry); `answered` says whether the endpoint
-    has answered this client before, which tells a missing model (404 at once) from a later 404."""
+    has answered this worker before, which tells a missing model (404 at once) from a later 404."""
     status = status_of(error)
     if status is not None:
         if status in FATAL_STATUS or (status == 404 and not answered):
@@ -164,35 +196,33 @@ def retry_wait(error: Exception, previous: float, answered: bool) -> float | Non
             raise FatalAPIError(f"{what} (HTTP {status}): {getattr(error, 'message', error)}") from error
         if status not in (408, 409, 429) and status < 500:
             return None
-        hinted = _retry_after(getattr(error, "response", None)) if status in OVERLOADED else None
+        hinted = _retry_after(error.headers) if status in OVERLOADED and isinstance(error, APIStatusError) else None
         return max(min(hinted or 0.0, RETRY_AFTER_CAP), backoff(previous))
-    if isinstance(error, (openai.APIConnectionError, openai.APITimeoutError)):
+    if isinstance(error, APIConnectionError):
         return backoff(previous)
     return None
 
 
 async def complete(
-    client: openai.AsyncOpenAI,
+    endpoint: Endpoint,
     settings: ModelSettings,
     messages: list[dict],
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
 ) -> Completion:
-    """One chat completion, retried per the policy above; the client is only the transport (auth,
-    connections, the SDK's error classes)."""
+    """One chat completion, retried per the policy above."""
     body = request_body(settings, messages, tools, forbid_tools)
     started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
         try:
-            raw = await client.post("/chat/completions", content=body, cast_to=httpx.Response, options=JSON_BODY)
-            completion = parse_completion(raw.content)
-            _answered.add(client)
+            completion = parse_completion(await endpoint.post(body))
+            endpoint.answered = True
             return completion
-        except (openai.APIStatusError, openai.APIConnectionError, ProviderError) as error:
+        except (APIStatusError, APIConnectionError, ProviderError) as error:
             if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
-            wait = retry_wait(error, wait, client in _answered)
+            wait = retry_wait(error, wait, endpoint.answered)
             if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
                 raise
             await asyncio.sleep(wait)

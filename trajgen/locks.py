@@ -18,12 +18,12 @@ class LockHeld(Exception):
         self.path, self.holder = path, holder
 
 
-def acquire(path: Path) -> int:
-    """Take the lock at `path` (created if missing) without waiting; returns the fd to keep open.
-    The holder's pid is written into the file so a refused process can name it."""
+def acquire(path: Path, wait: bool = False) -> int:
+    """Take the lock at `path` (created if missing), waiting for it only if `wait`; returns the fd to
+    keep open. The holder's pid is written into the file so a refused process can name it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
-import openai
 import orjson
 
 from trajgen import llm
@@ -35,13 +34,13 @@ class ModelClient(Protocol):
 
 
 class OpenAIModel:
-    """An OpenAI-compatible endpoint through one shared client."""
+    """An OpenAI-compatible endpoint through one shared connection."""
 
-    def __init__(self, client: openai.AsyncOpenAI, settings: ModelSettings, on_throttle: Callable[[], None]):
-        self.client, self.settings, self.on_throttle = client, settings, on_throttle
+    def __init__(self, endpoint: llm.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None]):
+        self.endpoint, self.settings, self.on_throttle = endpoint, settings, on_throttle
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
-        response = await llm.complete(self.client, self.settings, messages, tools, self.on_throttle, forbid_tools)
+        response = await llm.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, _usage(response.usage))

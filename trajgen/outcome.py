@@ -12,7 +12,6 @@ import enum
 import traceback
 from dataclasses import dataclass, field
 
-import openai
 import orjson
 
 from trajgen import errors, llm
@@ -71,7 +70,7 @@ def _named(error: BaseException) -> tuple[str, str, str | None]:
     KeyError; only an error nobody foresaw keeps its traceback."""
     if isinstance(error, OURS):
         return type(error).__name__, str(error), None
-    if isinstance(error, openai.APIError):
+    if isinstance(error, errors.APIError):
         return (*llm.describe(error), None)
     named = error if isinstance(error, errors.InternalError) else errors.InternalError(f"{type(error).__name__}: {error}")
     return type(named).__name__, str(named)[:2000], "".join(traceback.format_exception(error))

@@ -126,7 +126,7 @@ class _RayWorker:
 
     async def stop(self) -> None:
         await self.cancel()
-        await self.worker.client.close()
+        await self.worker.endpoint.close()
 
     async def cleanup(self) -> None:
         """Remove what this run left on this node (a crashed predecessor's work dirs and containers)."""

@@ -19,6 +19,7 @@ from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
+from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
@@ -269,6 +270,8 @@ def _say_what_is_missing(prepared: Prepared) -> None:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
+    if opts.backend == "apptainer" and not _on_cluster(opts) and plan.images and (problem := apptainer_problem()):
+        raise UsageError(f"the apptainer backend cannot run here: {problem}")
 
 
 def _on_cluster(opts: RunOptions) -> bool:

@@ -30,6 +30,7 @@ DISCARDED = "discarded.jsonl"
 FAILURES = "failures.jsonl"
 CHECKPOINT = "checkpoint.json"
 JOURNAL = "journal.jsonl"
+COMPACT_AT = 1 << 18  # journal bytes before the first compaction; after it, twice what the last one left
 LOCK = ".runner.lock"
 REPAIR = {  # what to do about an unreadable JSON file of the run directory
     "manifest.json": "pass --resume --force to write it again with this run's settings",
@@ -212,6 +213,7 @@ class Writer:
         self.journal_fd = self._open(run_dir / JOURNAL)
         self._journal_lock = threading.Lock()  # appends wait while a compaction swaps the file
         self.landed: set[str] = set()  # prompts whose journal entries can go at the next compaction
+        self._compacted_size = 0  # of the journal after the last compaction
         if os.fstat(self.journal_fd).st_size:  # an earlier run may have died before compacting it
             self.landed = scan(run_dir).done
             self._compact_later()
@@ -292,6 +294,7 @@ class Writer:
                     f.flush()
                     os.fsync(f.fileno())
                     os.replace(tmp, path)
+                    self._compacted_size = f.tell()
                     old, self.journal_fd = self.journal_fd, self._open(path)
                     os.close(old)
         except BaseException:
@@ -304,7 +307,8 @@ class Writer:
 
     def end_batch(self, batch_num: int) -> None:
         self._jobs.put(self.batches.pop(batch_num, None))
-        self._compact_later()
+        if os.fstat(self.journal_fd).st_size >= max(COMPACT_AT, 2 * self._compacted_size):
+            self._compact_later()  # only once it doubled: compaction reads the whole journal
 
     def checkpoint(self, payload: dict) -> None:
         """Written after everything queued before it is on disk; newer payloads replace older unwritten ones."""

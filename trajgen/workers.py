@@ -56,8 +56,8 @@ class _Worker:
 
     def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
-        self.client = llm.make_client(config.model, config.concurrency)
-        self.model = OpenAIModel(self.client, config.model, on_throttle=lambda: self.send(Throttled()))
+        self.endpoint = llm.Endpoint(config.model, config.concurrency)
+        self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()))
         self.cache = journal.Cache(config.cache_dir) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
@@ -129,7 +129,7 @@ class _Worker:
                 case Stop():
                     await self.cancel_all()
                     break
-        await self.client.close()
+        await self.endpoint.close()
 
     async def cancel_all(self) -> None:
         pending = list(self.running.values())

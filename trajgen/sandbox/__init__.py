@@ -1,7 +1,7 @@
 """Per-prompt sandboxes: where the model's commands and file edits happen.
 
 This module holds the data and the protocol; `config` opens sandboxes by backend name
-(`local`: bubblewrap, `docker`), `process` runs and caps commands. A backend builds one
+(`local`: bubblewrap, `docker`, `apptainer`), `process` runs and caps commands. A backend builds one
 sandbox per prompt, lazily, at the prompt's first tool call; the conversation closes it when
 the prompt ends. Every backend returns plain data, and nothing here has side effects until a
 sandbox is opened: a bare `SandboxConfig()` creates no directory.
@@ -45,6 +45,7 @@ class SandboxConfig:
     max_processes: int = 512  # per sandbox
     file_size_mb: int = 1024  # largest file a command may write
     cpus: float = 1.0  # container backends only
+    sif_cache: str = ""  # apptainer: where images are built into SIF files (default ~/.cache/trajgen/sif)
     modal_app: str = "trajgen"  # the Modal app the sandboxes run under
     modal_timeout: int = 3600  # seconds a Modal sandbox may live
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, cgroups, docker, modal_sandbox
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
@@ -35,6 +35,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "local": Backend(open_local),
     "docker": Backend(docker.open_docker, docker.check_image, docker.remove_containers),
+    "apptainer": Backend(apptainer.open_apptainer, apptainer.check_image, apptainer.remove_instances),
     "modal": Backend(modal_sandbox.open_modal, modal_sandbox.check_image, modal_sandbox.remove_sandboxes),
 }
 
@@ -53,7 +54,9 @@ def runs_images(backend: str) -> bool:
 
 
 def limit_notices(config: SandboxConfig) -> list[str]:
-    """What the local sandboxes cannot limit on this machine, to say once at the start of a run."""
+    """What the sandboxes cannot limit on this machine, to say once at the start of a run."""
+    if config.backend == "apptainer":
+        return apptainer.limit_notices()
     if config.backend != "local" or bwrap_problem():
         return []
     notices = []

@@ -16,7 +16,7 @@ import subprocess
 from typing import AsyncIterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.process import run_process
+from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
 
 PULL_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # docker run / rm / inspect
@@ -28,7 +28,6 @@ WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 USER = "65534:65534"
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
-CHUNK = 1 << 16
 
 
 def docker_env() -> dict[str, str]:
@@ -38,25 +37,7 @@ def docker_env() -> dict[str, str]:
 
 async def _docker(*args: str, timeout: float, stdin: bytes | None = None) -> tuple[int | None, bytes, str]:
     """Run one docker CLI command: (exit code or None on timeout, stdout, stderr's text)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            "docker", *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=docker_env(),
-        )
-    except OSError as e:
-        raise SandboxError(f"cannot run the docker CLI: {e.strerror}") from e
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return None, b"", f"docker {args[0]} did not finish within {timeout:g} s"
-    return proc.returncode, out, err.decode("utf-8", "replace").strip()
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no error message"
+    return await run_cli(["docker", *args], docker_env(), timeout, stdin)
 
 
 class DockerSandbox:
@@ -92,12 +73,12 @@ class DockerSandbox:
             timeout=CONTROL_TIMEOUT,
         )
         if code != 0:
-            raise SandboxError(f"cannot start a container from image {self.image}: {_last_line(err)}")
+            raise SandboxError(f"cannot start a container from image {self.image}: {last_line(err)}")
         cid = out.decode().strip()
         if not c.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
             code, _, err = await _docker("exec", "-u", "0", cid, "chown", USER, self.cwd, timeout=CONTROL_TIMEOUT)
             if code != 0:
-                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {_last_line(err)}")
+                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(err)}")
         return cid
 
     @property
@@ -114,28 +95,10 @@ class DockerSandbox:
         return await run_process(argv, timeout, docker_env(), on_timeout=kill_all)
 
     async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
-        """`cat` in the container, read a chunk at a time: the file never sits whole in the worker."""
         cid = await self._container()
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                "docker", "exec", *self._user, cid, "sh", "-c", READ, "sh", path, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=docker_env(),
-            )
-        except OSError as e:
-            raise SandboxError(f"cannot run the docker CLI: {e.strerror}") from e
-        try:
-            async with asyncio.timeout(self.config.command_timeout):
-                while chunk := await proc.stdout.read(CHUNK):
-                    yield chunk
-                code = await proc.wait()
-        except TimeoutError:
-            raise SandboxError(f"cannot read {path}: no end within {self.config.command_timeout:g} s") from None
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        if code != 0:
-            raise SandboxError(f"cannot read {path}: {_last_line((await proc.stderr.read()).decode('utf-8', 'replace'))}")
+        argv = ["docker", "exec", *self._user, cid, "sh", "-c", READ, "sh", path]
+        async for chunk in stream_stdout(argv, docker_env(), self.config.command_timeout, path):
+            yield chunk
 
     async def write_file(self, path: str, data: bytes) -> None:
         cid = await self._container()
@@ -143,7 +106,7 @@ class DockerSandbox:
             "exec", "-i", *self._user, cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
         )
         if code != 0:
-            raise SandboxError(f"cannot write {path}: {_last_line(err)}")
+            raise SandboxError(f"cannot write {path}: {last_line(err)}")
 
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
@@ -164,7 +127,7 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
         code, _, err = await _docker("pull", "--quiet", image, timeout=PULL_TIMEOUT)
     except SandboxError as e:
         return str(e)
-    return None if code == 0 else f"image {image} is not available locally and pulling it failed: {_last_line(err)}"
+    return None if code == 0 else f"image {image} is not available locally and pulling it failed: {last_line(err)}"
 
 
 def remove_containers(tag: str, value: str) -> None:

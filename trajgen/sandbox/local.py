@@ -191,8 +191,7 @@ class LocalSandbox:
             self._group.remove()
             self._group = None
         if not self.config.keep:
-            roots.unmount(self.host_dir)
-            shutil.rmtree(self.host_dir, ignore_errors=True)
+            roots.remove_work_dir(self.host_dir)
         if self._uid_lock is not None:
             locks.release(self._uid_lock)
             self._uid_lock = None
@@ -218,26 +217,17 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
         )
     if not config.root_dir:
         raise SandboxError("no sandbox root: SandboxConfig.root_dir must be set (roots.new_root_dir)")
-    if not key or "/" in key or key in (".", ".."):
-        raise SandboxError(f"sandbox key {key!r} is not a plain file name")
     point = _mount_point(cwd)
     isolated = problem is None
     uid, uid_lock = roots.take_uid() if isolated and os.geteuid() == 0 else (NOBODY, None)
-    host_dir = os.path.join(os.path.realpath(config.root_dir), key)
     group = None
-    try:
-        os.makedirs(config.root_dir, mode=0o700, exist_ok=True)
-        roots.unmount(host_dir)
-        shutil.rmtree(host_dir, ignore_errors=True)
-        os.mkdir(host_dir, 0o755)
-        if isolated and not config.keep:  # a kept work dir must outlive the run as a plain directory
-            roots.mount_tmpfs(host_dir, config.disk_mb, uid)
-        elif uid_lock is not None:
-            os.chown(host_dir, uid, uid)
+    try:  # a kept work dir must outlive the run as a plain directory
+        host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, uid if uid_lock is not None else None,
+                                      sized=isolated and not config.keep)
         if isolated and cgroups.problem() is None:
             group = cgroups.create(config.label, key, config.memory_mb << 20, config.max_processes)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         if uid_lock is not None:
             locks.release(uid_lock)
-        raise SandboxError(f"cannot prepare the sandbox of {key}: {e.strerror or e}") from e
+        raise SandboxError(f"cannot prepare the sandbox of {key}: {getattr(e, 'strerror', None) or e}") from e
     return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group)

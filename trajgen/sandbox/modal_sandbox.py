@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import AsyncIterator, Iterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.docker import ONE_CALL, READ, REAPER, WRITE, _last_line
-from trajgen.sandbox.process import Capture
+from trajgen.sandbox.docker import ONE_CALL, READ, REAPER, WRITE
+from trajgen.sandbox.process import Capture, last_line
 
 ENV = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
 MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
@@ -86,7 +86,7 @@ async def _exec(sandbox, *args: str, timeout: float, workdir: str | None, stderr
 
 
 async def _stderr_line(process) -> str:
-    return _last_line((await process.stderr.read.aio()).decode("utf-8", "replace"))
+    return last_line((await process.stderr.read.aio()).decode("utf-8", "replace"))
 
 
 class ModalSandbox:

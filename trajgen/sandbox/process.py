@@ -5,11 +5,12 @@ import asyncio
 import os
 import signal
 import subprocess
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from trajgen.sandbox import ExecResult, SandboxError
 
 OUTPUT_CAP = 50_000  # bytes of command output kept: the first and the last half
+CHUNK = 1 << 16
 
 
 class Capture:
@@ -96,3 +97,51 @@ async def run_process(
         pass
     transport.close()
     return ExecResult(capture.text(), None if error else proc.returncode, error)
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of a CLI's error output: the one that says what went wrong."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no error message"
+
+
+async def run_cli(argv: list[str], env: dict[str, str], timeout: float,
+                  stdin: bytes | None = None) -> tuple[int | None, bytes, str]:
+    """Run a container runtime's CLI command: (exit code or None on timeout, stdout, stderr's text)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+    except OSError as e:
+        raise SandboxError(f"cannot run the {argv[0]} CLI: {e.strerror}") from e
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None, b"", f"{argv[0]} {argv[1]} did not finish within {timeout:g} s"
+    return proc.returncode, out, err.decode("utf-8", "replace").strip()
+
+
+async def stream_stdout(argv: list[str], env: dict[str, str], timeout: float, path: str) -> AsyncIterator[bytes]:
+    """A CLI's stdout (`cat` of `path` in a container), a chunk at a time: the file never sits whole in the worker."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+    except OSError as e:
+        raise SandboxError(f"cannot run the {argv[0]} CLI: {e.strerror}") from e
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await proc.stdout.read(CHUNK):
+                yield chunk
+            code = await proc.wait()
+    except TimeoutError:
+        raise SandboxError(f"cannot read {path}: no end within {timeout:g} s") from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if code != 0:
+        raise SandboxError(f"cannot read {path}: {last_line((await proc.stderr.read()).decode('utf-8', 'replace'))}")

@@ -63,6 +63,28 @@ def remove_root(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bool) -> str:
+    """A fresh work dir for prompt `key` under the run's root (a retried prompt starts clean): a tmpfs
+    of `size_mb` when `sized` (root only), owned by `owner` when given. OSError if it cannot be made,
+    ValueError if `key` is not a plain file name."""
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"sandbox key {key!r} is not a plain file name")
+    path = os.path.join(os.path.realpath(root), key)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    remove_work_dir(path)
+    os.mkdir(path, 0o755)
+    if sized:
+        mount_tmpfs(path, size_mb, owner or 0)
+    elif owner is not None:
+        os.chown(path, owner, owner)
+    return path
+
+
+def remove_work_dir(path: str) -> None:
+    unmount(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def mount_tmpfs(path: str, size_mb: int, owner: int) -> bool:
     """Put a tmpfs of `size_mb` at `path` (owned by `owner`), so the work dir has a size; False when not root."""
     if os.geteuid() != 0:

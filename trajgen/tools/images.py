@@ -14,7 +14,6 @@ import re
 import uuid
 
 import httpx
-import openai
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.vision import cached_client, image_mime
@@ -80,6 +79,8 @@ async def _fal(settings: ToolSettings, prompt: str, size: str | None, files: dic
 
 
 async def image_generate(ctx: ToolContext, prompt: object = None, size: object = None) -> dict:
+    import openai  # here, not at the top: importing the SDK costs a second of CPU in every worker
+
     if not isinstance(prompt, str) or not prompt.strip():
         return _fail("`prompt` must be a non-empty string")
     if size is not None and (not isinstance(size, str) or not (m := SIZE.match(size))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import mimetypes
-
-import openai
+from typing import TYPE_CHECKING
 
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import check_url
+
+if TYPE_CHECKING:  # the SDK only when a vision or image tool runs: importing it costs a second of CPU
+    import openai
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_ANSWER_CHARS = 20_000
@@ -30,6 +32,8 @@ _clients: dict[tuple[str, str], tuple[asyncio.AbstractEventLoop, openai.AsyncOpe
 def cached_client(base_url: str, api_key: str) -> openai.AsyncOpenAI:
     """One client per worker process and endpoint, so its connections are reused across prompts.
     A client belongs to the event loop it first ran on, so a new loop gets a new client."""
+    import openai
+
     loop = asyncio.get_running_loop()
     cached = _clients.get((base_url, api_key))
     if cached is None or cached[0] is not loop:
@@ -61,6 +65,8 @@ def _fail(error: str) -> dict:
 
 
 async def vision_analyze(ctx: ToolContext, image_url: object = None, question: object = None) -> dict:
+    import openai
+
     if not isinstance(image_url, str) or not image_url.strip():
         return _fail("`image_url` must be an http(s) URL, a data: URL or a file path in your sandbox")
     if not isinstance(question, str) or not question.strip():
