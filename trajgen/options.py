@@ -96,7 +96,7 @@ class RunOptions:
     image_model: str | None = flag(None, "image_generate through the endpoint's OpenAI images API with this model (default: FAL when FAL_KEY is set).")
     browser_executable: str | None = flag(None, "Chromium binary for the browser tools (default: $CHROMIUM_PATH, else chromium on PATH).")
     allow_private_urls: bool = flag(False, "Let web_extract and the browser reach loopback, private and link-local addresses.")
-    terminal_backend: str | None = flag(None, "Sandbox backend, local (bubblewrap), docker or apptainer (alias singularity) (default env TERMINAL_ENV, else local).")
+    terminal_backend: str | None = flag(None, "Sandbox backend: local (bubblewrap), docker, apptainer (alias singularity) or modal (default env TERMINAL_ENV, else local).")
     command_timeout: float = flag(180.0, "Default seconds per terminal command; the command's whole process tree is killed then.", minimum=1)
     docker_image: str = flag("python:3.11-slim", "Image for prompts that name none (docker backend).")
     sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).")
@@ -106,6 +106,8 @@ class RunOptions:
     sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1)
     docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of uid 65534.")
     apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).")
+    modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).")
+    modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1)
 
     @property
     def backend(self) -> str:
@@ -140,7 +142,8 @@ class RunOptions:
             backend=self.backend, command_timeout=float(self.command_timeout), docker_image=self.docker_image,
             network=self.sandbox_network, keep=self.keep_sandboxes, unsafe_local=self.unsafe_local,
             root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], run_id=self.run_id, memory_mb=self.sandbox_memory,
-            disk_mb=self.sandbox_disk, docker_root=self.docker_root, sif_cache=self.apptainer_cache_dir or "")
+            disk_mb=self.sandbox_disk, docker_root=self.docker_root, sif_cache=self.apptainer_cache_dir or "",
+            modal_app=self.modal_app, modal_timeout=self.modal_timeout)
 
     def request_extras(self) -> tuple[dict, str | None, list[str]]:
         """Provider routing and reasoning controls: (extra_body, reasoning_effort parameter, what will be sent)."""

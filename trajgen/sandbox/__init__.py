@@ -46,6 +46,8 @@ class SandboxConfig:
     file_size_mb: int = 1024  # largest file a command may write
     cpus: float = 1.0  # container backends only
     sif_cache: str = ""  # apptainer: where images are built into SIF files (default ~/.cache/trajgen/sif)
+    modal_app: str = "trajgen"  # the Modal app the sandboxes run under
+    modal_timeout: int = 3600  # seconds a Modal sandbox may live
 
 
 class Sandbox(Protocol):

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
@@ -36,6 +36,7 @@ BACKENDS: dict[str, Backend] = {
     "local": Backend(open_local),
     "docker": Backend(docker.open_docker, docker.check_image, docker.remove_containers),
     "apptainer": Backend(apptainer.open_apptainer, apptainer.check_image, apptainer.remove_instances),
+    "modal": Backend(modal_sandbox.open_modal, modal_sandbox.check_image, modal_sandbox.remove_sandboxes),
 }
 
 
