@@ -98,7 +98,7 @@ class RunOptions:
     allow_private_urls: bool = flag(False, "Let web_extract and the browser reach loopback, private and link-local addresses.")
     terminal_backend: str | None = flag(None, "Sandbox backend: local (bubblewrap), docker, apptainer (alias singularity) or modal (default env TERMINAL_ENV, else local).")
     command_timeout: float = flag(180.0, "Default seconds per terminal command; the command's whole process tree is killed then.", minimum=1)
-    docker_image: str = flag("python:3.11-slim", "Image for prompts that name none (docker backend).")
+    docker_image: str = flag("python:3.11-slim", "Image for prompts that name none (container backends: docker, apptainer, modal).")
     sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).")
     keep_sandboxes: bool = flag(False, "Keep per-prompt sandboxes after the run, for debugging.")
     unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).")
