@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from trajgen import errors, llm, store
+from trajgen.sandbox import cgroups
 from trajgen.work import ModelSettings
 
 
@@ -293,3 +294,27 @@ def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_sec
     assert 2 <= len(times) <= 4  # 3 s of budget, every wait at least 1 s: not 101 tries
     assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
     assert len(throttled) == len(times)  # a 503 slows admissions like a 429
+
+
+@pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
+def test_resume_removes_the_cgroups_a_killed_runner_left(cli, scripted_server):
+    """Sandboxes die with a runner killed with -9, their cgroup directories do not: the next
+    invocation of the run removes them (and no other run's)."""
+    server = scripted_server({"default": [call("terminal", command="echo up"), {**think("done"), "gate": "held"}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(2)])
+    args = cli.args(server)
+    before = {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")}
+
+    def ours() -> set[Path]:
+        return {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")} - before
+
+    first = cli.start(*args)
+    _wait_for(lambda: len(server.requests()) == 4)  # both prompts ran their command and are held
+    left = ours()
+    kill_group(first)
+    assert left and all(d.exists() for d in left)
+    server.open_gate("held")
+    done = cli.run(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert not any(d.exists() for d in left)
+    assert ours() == set()

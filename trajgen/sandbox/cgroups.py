@@ -4,8 +4,10 @@ processes and its CPU share, whatever the commands do.
 Both hierarchies are supported, found at start: cgroup v2 (`/sys/fs/cgroup/cgroup.controllers`),
 where the runner's own cgroup must be able to hand `memory` and `pids` to children, and v1 with
 the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>`. Groups live
-under the runner's own cgroup, as `trajgen-<label>/<key>`. Where neither can be used (no root, a
-cgroup that is not delegated) `problem()` says why and the sandbox keeps only per-process limits.
+under the runner's own cgroup, as `trajgen-<run id>.<session label>/<key>`: the session's end
+removes its own, and the next invocation of a run those a runner killed with -9 left. Where neither
+can be used (no root, a cgroup that is not delegated) `problem()` says why and the sandbox keeps
+only per-process limits.
 """
 from __future__ import annotations
 
@@ -79,9 +81,9 @@ class Group:
         _remove(self.dirs)
 
 
-def create(label: str, key: str, memory_bytes: int, max_processes: int) -> Group:
+def create(run_id: str, label: str, key: str, memory_bytes: int, max_processes: int) -> Group:
     """The sandbox's cgroup with its limits; OSError if it cannot be made."""
-    dirs = tuple(base / f"trajgen-{label}" / key for base in _bases()[0])
+    dirs = tuple(base / f"trajgen-{run_id or '-'}.{label}" / key for base in _bases()[0])
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         if (d / "memory.max").exists():
@@ -95,12 +97,13 @@ def create(label: str, key: str, memory_bytes: int, max_processes: int) -> Group
     return Group(dirs)
 
 
-def remove_run(label: str) -> None:
-    """Remove every group of a run (after a crash, or at its end); safe to repeat."""
+def remove(run_id: str = "*", label: str = "*") -> None:
+    """Remove every group of a session (`label`: after a worker crash, or at its end) or of a run
+    (`run_id`: what earlier invocations left); safe to repeat."""
     for base in _bases()[0]:
-        run = base / f"trajgen-{label}"
-        if run.is_dir():
-            _remove((*(p for p in run.iterdir() if p.is_dir()), run))
+        for run in base.glob(f"trajgen-{run_id}.{label}"):
+            if run.is_dir():
+                _remove((*(p for p in run.iterdir() if p.is_dir()), run))
 
 
 def _remove(dirs: tuple[Path, ...]) -> None:

@@ -73,7 +73,7 @@ def cleanup(config: SandboxConfig) -> None:
 
     With `keep` the work dirs and containers stay: the user asked to inspect them afterwards.
     """
-    cgroups.remove_run(config.label)
+    cgroups.remove(label=config.label)
     if config.keep:
         return
     if config.root_dir:
@@ -88,7 +88,10 @@ def reap(config: SandboxConfig) -> None:
 
     Call only while holding the run directory's lock: then no live runner owns a sandbox of this run.
     """
-    if (remove := BACKENDS[config.backend].remove) and config.run_id and not config.keep:
+    if not config.run_id:
+        return
+    cgroups.remove(run_id=config.run_id)
+    if (remove := BACKENDS[config.backend].remove) and not config.keep:
         remove(RUN_TAG, config.run_id)
 
 

@@ -225,7 +225,7 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
         host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, uid if uid_lock is not None else None,
                                       sized=isolated and not config.keep)
         if isolated and cgroups.problem() is None:
-            group = cgroups.create(config.label, key, config.memory_mb << 20, config.max_processes)
+            group = cgroups.create(config.run_id, config.label, key, config.memory_mb << 20, config.max_processes)
     except (OSError, ValueError) as e:
         if uid_lock is not None:
             locks.release(uid_lock)
