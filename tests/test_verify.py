@@ -108,6 +108,9 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
     records = read_jsonl(run_dir / "export_openai.jsonl")
     assert Counter((r["verify"]["status"], r["reward"]) for r in records) == {
         ("passed", 1.0): 7, ("failed", 0.0): 5, ("timeout", 0.0): 3, ("error", None): 3, ("unverified", None): 3}
+    report = cli.run("--report", "--run_name=run")
+    assert report.returncode == 0, report.stderr
+    assert "pass@2" in (run_dir / "report.html").read_text() and "61.1%" in (run_dir / "report.html").read_text()
     bad = cli.run(*args, "--export=openai", "--export_outcome=won")
     assert bad.returncode == 2 and "--export_outcome must be a comma list" in bad.stderr
 

@@ -83,6 +83,8 @@ class Verification:
     groups: dict[str, list[int]] = field(default_factory=dict)  # prompt (group id) -> [judged, passed]
 
     def add(self, row: dict) -> None:
+        if not row:  # a side record without its row
+            return
         verdict = verify.status(row)
         self.samples[verdict] += 1
         if verdict == Verdict.ERROR.value:
@@ -176,8 +178,7 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
         seen.add(key)
         result.discarded_by_reason[record.get("reason", "unknown")] += 1
         result.discarded.add(record.get("row") or {})
-        if record.get("row"):
-            result.verification.add(record["row"])
+        result.verification.add(record.get("row") or {})
     latest: dict[str, str] = {}
     for record in store.read_records(run_dir / store.FAILURES, result.torn):
         latest[record.get("prompt_key")] = record.get("error_class", "Exception")
