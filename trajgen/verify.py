@@ -61,13 +61,14 @@ async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[S
     try:
         box = await sandbox()
         await box.write_file(FINAL_ANSWER, final_answer.encode())
+        ran = time.monotonic()
         result = await box.run(command, timeout)
     except (SandboxError, OSError) as e:
         return Check(Verdict.ERROR, command, None, _since(started), str(e)[-OUTPUT_TAIL:], "sandbox")
-    seconds = _since(started)
+    seconds = _since(started)  # the whole check, the sandbox's start included
     output = result.output[-OUTPUT_TAIL:]
     if result.exit_code is None:  # no exit: the backend stopped it at the timeout, or the sandbox failed
-        if seconds >= timeout:
+        if time.monotonic() - ran >= timeout:
             return Check(Verdict.TIMEOUT, command, None, seconds, output)
         why = "\n".join(part for part in (output, result.error) if part)
         return Check(Verdict.ERROR, command, None, seconds, why[-OUTPUT_TAIL:], "sandbox")
