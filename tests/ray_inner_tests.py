@@ -218,7 +218,8 @@ def _normalized(run_dir: Path) -> dict:
     """What must not depend on the executor: files, rows (less times and ids), statistics (less durations)."""
     rows = sorted(({"index": r["prompt_index"], "batch": r["metadata"]["batch_num"], "completed": r["completed"],
                     "turns": [t["from"] for t in r["conversations"]], "api_calls": r["api_calls"],
-                    "tool_stats": r["tool_stats"]} for r in read_jsonl(run_dir / "trajectories.jsonl")),
+                    "tool_stats": r["tool_stats"], "verify": r["verify"]["status"]}
+                   for r in read_jsonl(run_dir / "trajectories.jsonl")),
                   key=lambda r: r["index"])
     statistics = json.loads((run_dir / "statistics.json").read_text())
     for key in ("run_name", "duration_seconds", "duration_seconds_total"):
@@ -229,7 +230,9 @@ def _normalized(run_dir: Path) -> dict:
 def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
     server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
     names = [f"prompt {i}" for i in range(12)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    checks = ["grep -qx thinking .trajgen/final_answer.txt", "grep -q nope .trajgen/final_answer.txt"]  # pass, fail
+    rows = [{"prompt": n, **({"verify": checks[i % 4 // 2]} if i % 2 else {})} for i, n in enumerate(names)]
+    write_jsonl(cli.cwd / "prompts.jsonl", rows)
     tmp = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # short: Ray's socket paths live under it
     env = {"TMPDIR": str(tmp)}
     done = cli.run(*cli.args(server, run_name="p", batch_size=5, executor="processes"), env=env)
@@ -238,10 +241,12 @@ def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
     assert done.returncode == 0, done.stderr
     assert _normalized(cli.run_dir("r")) == _normalized(cli.run_dir("p"))
     assert sorted(prompts_of(read_jsonl(cli.run_dir("r") / "trajectories.jsonl"))) == sorted(names)
+    verdicts = json.loads((cli.run_dir("r") / "statistics.json").read_text())["verification"]["samples"]
+    assert verdicts == {"passed": 3, "failed": 3, "error": 0, "timeout": 0, "unverified": 6}
     # nothing left behind: Ray's session files, sandboxes, the home directory
     assert not list(tmp.iterdir()) and not list((cli.cwd / "home").iterdir())
 
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in ["new 1", *names, "new 2"]])
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "new 1"}, *rows, {"prompt": "new 2"}])
     before = len(server.requests())
     done = cli.run(*cli.args(server, run_name="r", batch_size=5, executor="ray", resume=True), env=env)
     assert done.returncode == 0, done.stderr

@@ -77,6 +77,11 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
     return conv
 
 
+def final_answer(conv: Conversation) -> str:
+    """The text of the last reply, without its reasoning: what a verify command checks."""
+    return trajectory.split_reasoning(conv.replies[-1])[1]
+
+
 def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
     """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
     part or the prefill), each with its `message` exactly as sent (a gpt turn also with its
@@ -112,7 +117,8 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
     metadata = {
         "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
         **{k: v for k, v in task.extra.items() if k not in ("batch_num", "timestamp", "model")},
-        "prompt_key": task.key, "format_version": trajectory.FORMAT_VERSION,
+        "prompt_key": task.key, "group_id": task.group_id or task.key, "sample_index": task.sample_index,
+        "format_version": trajectory.FORMAT_VERSION,
         "toolsets_sampled": task.toolsets_sampled, "toolsets_offered": task.toolsets_offered,
         "request": request_provenance(settings, conv.served_by),
         "dataset": {"fingerprint": task.dataset_fingerprint, "line": task.prompt_index + 1},

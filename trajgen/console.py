@@ -88,6 +88,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("kept in trajectories.jsonl", stats["kept"]),
         ("discarded", ", ".join(f"{k} {v}" for k, v in stats["discarded"]["by_reason"].items()) or 0),
         ("filtered (hallucinated tool)", stats["filtered_hallucinated"]),
+        ("filtered (verify not passed)", stats["filtered_not_passed"]),
         ("failed (resume retries)", ", ".join(f"{k} {v}" for k, v in failed["by_class"].items()) or 0),
         ("not yet run", stats["remaining_not_run"]),
         ("api calls", stats["api_calls"]),
@@ -100,6 +101,23 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
          f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
     ]
     return [(name, str(value)) for name, value in rows]
+
+
+def verification_rows(stats: dict) -> list[tuple[str, str]]:
+    """Verdicts, pass rates and pass@k, from statistics.json; none for a run without verify commands."""
+    v = stats.get("verification") or {}
+    samples = v.get("samples") or {}
+    if not any(n for verdict, n in samples.items() if verdict != "unverified"):
+        return []
+    shown = lambda rate: "n/a" if rate is None else _rate(rate)  # noqa: E731
+    rows = [
+        ("samples", ", ".join(f"{k} {n}" for k, n in samples.items() if n)),
+        ("errors by kind", ", ".join(f"{k} {n}" for k, n in v["errors_by_kind"].items()) or "0"),
+        ("pass rate over judged samples", f"{shown(v['pass_rate_samples'])} of {v['samples_judged']}"),
+        ("pass rate over prompts (any sample passed)", f"{shown(v['pass_rate_prompts'])} of {v['prompts_judged']}"),
+    ]
+    rows += [(f"pass@{k}", f"{shown(rate)} ({v['pass_at_k_prompts'][k]} prompts)") for k, rate in v["pass_at_k"].items()]
+    return rows
 
 
 def summary(stats: dict) -> None:
@@ -118,3 +136,11 @@ def summary(stats: dict) -> None:
             tools.add_row(name, str(s["count"]), str(s["success"]), str(s["failure"]), _rate(s["success_rate"]))
     if tools.row_count:
         out.print(tools)
+    checks = verification_rows(stats)
+    if checks:
+        table = Table(title="Verification (every finished sample)", show_header=False)
+        table.add_column(style="bold")
+        table.add_column(justify="right")
+        for name, value in checks:
+            table.add_row(name, value)
+        out.print(table)

@@ -1,6 +1,7 @@
 """Read the JSONL dataset as a stream, validate it, and give every prompt its identity.
 
-A prompt's identity (`key`) is a hash of its task content (prompt, image, cwd) plus its
+A prompt's identity (`key`) is a hash of its task content (prompt, image, cwd, and its
+`verify` command when it has one, so datasets without one keep their keys) plus its
 occurrence number among identical rows, so the k-th copy of a repeated prompt is done or
 not on its own, and resume survives inserted, deleted and reordered lines.
 """
@@ -13,7 +14,7 @@ from typing import Iterator
 
 import orjson
 
-TASK_FIELDS = ("prompt", "image", "docker_image", "cwd")
+TASK_FIELDS = ("prompt", "image", "docker_image", "cwd", "verify")
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Entry:
     image: str | None
     cwd: str | None
     extra: dict  # the row's other fields, carried into the row's metadata
+    verify: str | None = None  # the shell command that checks the sample (trajgen/verify.py)
     key: str = ""
 
 
@@ -52,19 +54,20 @@ def parse_line(raw: bytes, index: int, path: str) -> Entry | str:
     if not isinstance(prompt, str) or not prompt.strip():
         return f"{where}: field 'prompt' must be a non-empty string"
     image = obj.get("image", obj.get("docker_image"))
-    for name in ("image", "docker_image", "cwd"):
+    for name in ("image", "docker_image", "cwd", "verify"):
         value = obj.get(name)
-        if value is not None and (not isinstance(value, str) or not value):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
             return f"{where}: field '{name}' must be a non-empty string"
     cwd = obj.get("cwd")
     if cwd is not None and not cwd.startswith("/"):
         return f"{where}: field 'cwd' must be an absolute path"
     extra = {k: v for k, v in obj.items() if k not in TASK_FIELDS}
-    return Entry(index, prompt, image, cwd, extra)
+    return Entry(index, prompt, image, cwd, extra, obj.get("verify"))
 
 
 def content_hash(entry: Entry) -> bytes:
-    content = orjson.dumps({"prompt": entry.prompt, "image": entry.image, "cwd": entry.cwd})
+    verify = {"verify": entry.verify} if entry.verify is not None else {}
+    content = orjson.dumps({"prompt": entry.prompt, "image": entry.image, "cwd": entry.cwd, **verify})
     return hashlib.blake2b(content, digest_size=16).digest()
 
 

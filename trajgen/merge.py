@@ -5,6 +5,7 @@ always agrees with trajectories.jsonl, the batch files and the side records.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections import Counter
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import orjson
 
-from trajgen import store
+from trajgen import store, verify
 from trajgen.trajectory import tool_stat
+from trajgen.verify import Verdict
 
 
 @dataclass
@@ -69,9 +71,63 @@ class Tally:
 
 
 @dataclass
+class Verification:
+    """The verdicts of every finished sample (kept, filtered and discarded alike), by prompt.
+
+    Judged samples are those whose check reached a verdict (passed, failed, timeout); an error
+    says nothing about the model, so it is counted apart and judged nowhere. A prompt passes if
+    any of its judged samples passed."""
+
+    samples: Counter = field(default_factory=Counter)  # verdict -> samples
+    errors: Counter = field(default_factory=Counter)  # error kind -> samples
+    groups: dict[str, list[int]] = field(default_factory=dict)  # prompt (group id) -> [judged, passed]
+
+    def add(self, row: dict) -> None:
+        if not row:  # a side record without its row
+            return
+        verdict = verify.status(row)
+        self.samples[verdict] += 1
+        if verdict == Verdict.ERROR.value:
+            self.errors[row["verify"].get("error") or "unknown"] += 1
+        if verdict in (Verdict.PASSED.value, Verdict.FAILED.value, Verdict.TIMEOUT.value):
+            group = self.groups.setdefault(row["metadata"].get("group_id") or store.row_key(row), [0, 0])
+            group[0] += 1
+            group[1] += verdict == Verdict.PASSED.value
+
+    def statistics(self) -> dict:
+        judged = sum(n for n, _ in self.groups.values())
+        passed_prompts = sum(1 for _, c in self.groups.values() if c)
+        most = max((n for n, _ in self.groups.values()), default=0)
+        at_k = {k: [pass_at_k(n, c, k) for n, c in self.groups.values() if n >= k] for k in range(1, most + 1)}
+        return {
+            "samples": {v.value: self.samples[v.value] for v in Verdict},
+            "errors_by_kind": dict(self.errors),
+            "timeouts": self.samples[Verdict.TIMEOUT.value],
+            "samples_judged": judged,
+            "pass_rate_samples": _ratio(self.samples[Verdict.PASSED.value], judged),
+            "prompts_judged": len(self.groups),
+            "prompts_passed": passed_prompts,
+            "pass_rate_prompts": _ratio(passed_prompts, len(self.groups)),
+            "pass_at_k": {str(k): round(sum(v) / len(v), 4) for k, v in at_k.items()},
+            "pass_at_k_prompts": {str(k): len(v) for k, v in at_k.items()},
+        }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of passing with k of a prompt's n judged samples, c of them passed."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+@dataclass
 class Merged:
     kept: Tally = field(default_factory=Tally)
     hallucinated: Tally = field(default_factory=Tally)
+    not_passed: Tally = field(default_factory=Tally)  # filtered by --require_verified
+    verification: Verification = field(default_factory=Verification)
     discarded: Tally = field(default_factory=Tally)
     discarded_by_reason: Counter = field(default_factory=Counter)
     failed_by_class: Counter = field(default_factory=Counter)
@@ -81,8 +137,9 @@ class Merged:
     torn: list[str] = field(default_factory=list)
 
 
-def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
-    """Write trajectories.jsonl (atomically) and count everything on the way."""
+def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False) -> Merged:
+    """Write trajectories.jsonl (atomically) and count everything on the way. The filters
+    (hallucinated tools, --require_verified) act here only: the batch files keep every row."""
     result = Merged()
     seen: set[str] = set()
     with store.writing(run_dir / "trajectories.jsonl"):  # a full disk: DiskFull, the batch files intact
@@ -98,8 +155,12 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
                             result.duplicates_skipped += 1
                             continue
                         seen.add(key)
+                        result.verification.add(row)
                         if row["metadata"].get("hallucinated_tools") and not keep_hallucinated:
                             result.hallucinated.add(row)
+                            continue
+                        if require_verified and verify.status(row) != Verdict.PASSED.value:
+                            result.not_passed.add(row)
                             continue
                         result.kept.add(row)
                         out.write(orjson.dumps(row))
@@ -117,6 +178,7 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
         seen.add(key)
         result.discarded_by_reason[record.get("reason", "unknown")] += 1
         result.discarded.add(record.get("row") or {})
+        result.verification.add(record.get("row") or {})
     latest: dict[str, str] = {}
     for record in store.read_records(run_dir / store.FAILURES, result.torn):
         latest[record.get("prompt_key")] = record.get("error_class", "Exception")
@@ -128,23 +190,26 @@ def merge(run_dir: Path, keep_hallucinated: bool) -> Merged:
 
 def statistics(merged: Merged, header: dict) -> dict:
     """statistics.json: `header` holds the run's settings and durations."""
-    everything = merged.kept + merged.hallucinated + merged.discarded
+    everything = merged.kept + merged.hallucinated + merged.not_passed + merged.discarded
     paid = everything + merged.failed_attempts
     turns = everything.assistant_turns
     return {
         **header,
-        "ok": merged.kept.rows + merged.hallucinated.rows,
+        "ok": merged.kept.rows + merged.hallucinated.rows + merged.not_passed.rows,
         "kept": merged.kept.rows,
         "discarded": {"total": merged.discarded.rows, "by_reason": dict(merged.discarded_by_reason)},
         "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class),
                    "attempts": merged.failed_attempts.rows, "tokens": _tokens(merged.failed_attempts),
                    "cost": merged.failed_attempts.cost},
         "filtered_hallucinated": merged.hallucinated.rows,
+        "filtered_not_passed": merged.not_passed.rows,
+        "verification": merged.verification.statistics(),
         "total_batches": merged.batch_files,
         "tool_statistics": merged.kept.tool_statistics(),
         "filtered_tool_statistics": {
             "hallucinated": merged.hallucinated.tool_statistics(),
             "discarded": merged.discarded.tool_statistics(),
+            "not_passed": merged.not_passed.tool_statistics(),
         },
         "reasoning_statistics": {
             "total_assistant_turns": turns,

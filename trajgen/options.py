@@ -40,7 +40,7 @@ def flag(default, help: str, *, minimum: float | None = None, resume: bool = Fal
 
 @dataclass(frozen=True)
 class RunOptions:
-    dataset_file: str | None = flag(None, 'JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd").')
+    dataset_file: str | None = flag(None, 'JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd", "verify").')
     run_name: str | None = flag(None, "Name of the run; output goes to <output_dir>/<run_name>/.")
     batch_size: int = flag(10, "Consecutive prompts per batch_<N>.jsonl file.", minimum=1)
     model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True)
@@ -59,6 +59,7 @@ class RunOptions:
     force: bool = flag(False, "With --resume, accept a changed model, distribution or sampling settings.")
     list_distributions: bool = flag(False, "Print the toolset distributions and exit.")
     export: str | None = flag(None, "Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.")
+    export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).")
     view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.")
     report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0)
@@ -80,6 +81,10 @@ class RunOptions:
     request_timeout: float = flag(600.0, "Seconds per API request.", minimum=0.001)
     prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1)
     require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True)
+    samples_per_prompt: int = flag(1, "Independent rollouts of each prompt, each its own sample (raising it on --resume runs only the new samples).", minimum=1)
+    toolsets_per_sample: bool = flag(False, "Sample the toolsets for every sample instead of once per prompt (a group then differs in its tools).", resume=True, provenance=True)
+    verify_timeout: float = flag(300.0, "Seconds a row's verify command may run in its sandbox; past it the check is a timeout.", minimum=1)
+    require_verified: bool = flag(False, "Keep only rows whose verify command passed in trajectories.jsonl (the rest stay in the batch files).")
     keep_hallucinated: bool = flag(False, "Keep rows that call a tool that was not offered in trajectories.jsonl.")
     require_toolsets: bool = flag(False, "Refuse to run when a sampled toolset or tool is unavailable here.")
     providers_allowed: ListFlag = flag(None, "OpenRouter: only these providers (comma list).")
@@ -212,6 +217,8 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
+    if opts.export_outcome and not opts.export:
+        raise UsageError("--export_outcome selects rows for --export; pass --export too")
     if opts.backend not in BACKENDS:
         raise UsageError(f"--terminal_backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
     if opts.provider_sort not in (None, "price", "throughput", "latency"):

@@ -1,5 +1,8 @@
-"""The plan: which prompts this invocation runs, in which batches, with which toolsets.
+"""The plan: which samples this invocation runs, in which batches, with which toolsets.
 
+Each prompt is run `samples` times (--samples_per_prompt). Sample 0 keeps the prompt's key, so
+one sample per prompt is the run it always was; sample i gets `<key>~<i>`, its own identity for
+resume, the journal and the cache, so raising the count on --resume adds only the new samples.
 Streamed from the dataset twice: once to count (before the first request), once to run.
 """
 from __future__ import annotations
@@ -22,39 +25,49 @@ class Plan:
     sampled: Counter = field(default_factory=Counter)  # toolset -> prompts that sampled it
     images: Counter = field(default_factory=Counter)  # image -> prompts that will open a container with it
     rows_with_image: int = 0
+    verified: int = 0  # samples with a verify command (each opens a sandbox, whatever its toolsets)
 
     def batch_count(self, batch_size: int) -> int:
         return -(-self.remaining // batch_size)
 
 
+def sample_key(key: str, index: int) -> str:
+    return key if index == 0 else f"{key}~{index}"
+
+
 def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: Distribution, seed: int,
           batch_size: int, max_samples: int | None, first_batch: int, unavailable: dict[str, str],
-          journal: dict[str, list[dict]]) -> Iterator[Task]:
-    """Every prompt without a final record, in dataset order, in consecutive batches of batch_size;
-    each with its journaled replies (`journal`: prompt key -> entries), which it replays."""
+          journal: dict[str, list[dict]], samples: int = 1, toolsets_per_sample: bool = False) -> Iterator[Task]:
+    """Every sample without a final record, in dataset order (a prompt's samples together), in
+    consecutive batches of batch_size; each with its journaled replies (`journal`: sample key ->
+    entries), which it replays. The toolsets are sampled once per prompt, so a group is
+    comparable, unless `toolsets_per_sample`."""
     n = 0
     for entry in dataset.entries(path, check.duplicates, max_samples):
-        if entry.key in done:
-            continue
-        sampled = sample_toolsets(distribution, seed, entry.key)
         extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
-        yield Task(entry.key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
-                   extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint,
-                   tuple(journal.get(entry.key, ())))
-        n += 1
+        for index in range(samples):
+            key = sample_key(entry.key, index)
+            if key in done:
+                continue
+            sampled = sample_toolsets(distribution, seed, key if toolsets_per_sample else entry.key)
+            yield Task(key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
+                       extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint,
+                       tuple(journal.get(key, ())), entry.verify, index, entry.key)
+            n += 1
 
 
-def count(planned: Iterator[Task], first_batch: int, docker_image: str | None) -> Plan:
-    """docker_image: the default image under the docker backend (None under local)."""
+def count(planned: Iterator[Task], first_batch: int, default_image: str | None) -> Plan:
+    """default_image: the image of rows that name none, under a backend that runs images (else None)."""
     plan = Plan(first_batch=first_batch)
     for task in planned:
         plan.remaining += 1
         plan.sampled.update(task.toolsets_sampled)
         plan.rows_with_image += task.image is not None
-        if docker_image and needs_sandbox(task):
-            plan.images[task.image or docker_image] += 1
+        plan.verified += task.verify is not None
+        if default_image and needs_sandbox(task):
+            plan.images[task.image or default_image] += 1
     return plan
 
 
 def needs_sandbox(task: Task) -> bool:
-    return any(t in SANDBOX_TOOLSETS for t in task.toolsets_offered)
+    return task.verify is not None or any(t in SANDBOX_TOOLSETS for t in task.toolsets_offered)

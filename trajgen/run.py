@@ -46,7 +46,8 @@ class Prepared:
         opts = self.opts
         return plan_module.tasks(str(opts.dataset_file), self.check, self.scan.done,
                                  get_distribution(opts.distribution), opts.seed, opts.batch_size, opts.max_samples,
-                                 self.scan.next_batch, self.unavailable_sets, self.scan.journal)
+                                 self.scan.next_batch, self.unavailable_sets, self.scan.journal,
+                                 opts.samples_per_prompt, opts.toolsets_per_sample)
 
 
 def main(opts: RunOptions) -> int:
@@ -103,7 +104,7 @@ def run_export(opts: RunOptions) -> int:
     if not (run_dir / "trajectories.jsonl").exists() or not (run_dir / "manifest.json").exists():
         raise UsageError(f"{run_dir}: no finished run to export (trajectories.jsonl and manifest.json are needed)")
     store.lock_run_dir(run_dir)
-    target, count = export.export(run_dir, opts.export)
+    target, count = export.export(run_dir, opts.export, export.outcomes(opts.export_outcome))
     console.out.print(f"wrote {count} rows to {target}")
     return 0
 
@@ -150,7 +151,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir)
+                          opts.verbose, opts.cache_dir, opts.verify_timeout)
     workers = None if auto else min(opts.num_workers, max(1, prepared.plan.remaining))
     if opts.executor == "processes":
         pool = ProcessPool(workers, config)
@@ -173,10 +174,10 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
 def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, started: float) -> int:
     """Merge, write statistics.json, show the summary; the exit status says how the run ended."""
     opts, check = prepared.opts, prepared.check
-    merged = merge.merge(prepared.run_dir, opts.keep_hallucinated)
+    merged = merge.merge(prepared.run_dir, opts.keep_hallucinated, opts.require_verified)
     stats = merge.statistics(merged, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
-        "total_prompts": check.valid, "batch_size": opts.batch_size,
+        "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
         "remaining_not_run": outcome.not_run, "invalid_lines_skipped": check.error_count,
         "duration_seconds": round(time.monotonic() - started, 3),
         "duration_seconds_total": round(previous + time.monotonic() - started, 3),
@@ -264,7 +265,8 @@ def _say_what_is_missing(prepared: Prepared) -> None:
         console.notice(f"{plan.rows_with_image} prompt(s) name a container image, which needs a container backend "
                        f"(--terminal_backend={'/'.join(b for b in BACKENDS if runs_images(b))}); "
                        f"under the {opts.backend} backend they run in its sandbox")
-    if (opts.backend == "local" and not _on_cluster(opts) and any(plan.sampled[t] for t in SANDBOX_TOOLSETS)
+    if (opts.backend == "local" and not _on_cluster(opts)
+            and (plan.verified or any(plan.sampled[t] for t in SANDBOX_TOOLSETS))
             and (problem := bwrap_problem())):
         if not opts.unsafe_local:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "

@@ -41,11 +41,12 @@ class WorkerConfig:
     require_reasoning: bool = True  # a row with no reasoning at all is discarded
     verbose: bool = False
     cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
+    verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
 
 
 @dataclass(frozen=True)
 class Task:
-    key: str
+    key: str  # the sample's identity: the prompt's key for sample 0, `<prompt key>~<i>` for sample i
     prompt_index: int
     batch_num: int
     prompt: str
@@ -56,3 +57,6 @@ class Task:
     toolsets_offered: list[str]
     dataset_fingerprint: str = ""  # of the whole dataset file (manifest.json), so a row names its source
     replay: tuple[dict, ...] = ()  # on --resume, this prompt's journaled replies (trajgen/journal.py)
+    verify: str | None = None  # the row's check, run in its sandbox when the conversation ends
+    sample_index: int = 0  # which of --samples_per_prompt rollouts of the prompt this is
+    group_id: str = ""  # the prompt's key, shared by its samples (empty: the task's own key)

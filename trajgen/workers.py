@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
-from trajgen import agent, journal, llm, registry
+from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -102,7 +102,16 @@ class _Worker:
             return decide(task, error=e, usage=paid.usage)
         row = agent.render_row(task, conversation, self.config.model)
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
+        row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
         return decide(task, row=row, require_reasoning=self.config.require_reasoning, files=prompt.ctx.files)
+
+    async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
+        """Every finished conversation is checked, a discarded one too (the statistics count every
+        sample the model finished); not journaled: a resumed sample is checked again."""
+        if task.verify is None:
+            return verify.UNVERIFIED
+        return await verify.run(task.verify, agent.final_answer(conversation), prompt.get_sandbox,
+                                self.config.verify_timeout)
 
     async def serve(self, conn: Connection) -> None:
         loop = asyncio.get_running_loop()

@@ -64,6 +64,7 @@ class Tallies:
     hallucinated: merge.Tally = field(default_factory=merge.Tally)
     discarded: merge.Tally = field(default_factory=merge.Tally)
     failed_attempts: merge.Tally = field(default_factory=merge.Tally)  # every failure record, as the merge counts them
+    verification: merge.Verification = field(default_factory=merge.Verification)  # rows and discarded rows
     duplicates: int = 0
     torn: list[str] = field(default_factory=list)
 
@@ -173,6 +174,7 @@ class RunIndex:
             raise _Restart
         entry = _entry(ROW, where, key, row, row, None)
         (self.tallies.hallucinated if entry.hallucinated else self.tallies.kept).add(row)
+        self.tallies.verification.add(row)
         self._put(key, entry)
 
     def _add_discarded(self, where: tuple, record: dict) -> None:
@@ -183,6 +185,7 @@ class RunIndex:
         row = record.get("row") if isinstance(record.get("row"), dict) else {}
         entry = _entry(DISCARDED, where, key, record, row, str(record.get("reason", "unknown")))
         self.tallies.discarded.add(row)
+        self.tallies.verification.add(row)
         self._put(key, entry)
 
     def _add_failure(self, where: tuple, record: dict) -> None:

@@ -61,7 +61,7 @@ def summarize(index: RunIndex) -> Summary:
     entries = index.entries
     merged = merge.Merged(
         kept=_together(t.kept, t.hallucinated) if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
-        discarded=t.discarded,
+        discarded=t.discarded, verification=t.verification,
         discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
         failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED), failed_attempts=t.failed_attempts,
         batch_files=len(store.batch_files(run_dir)), duplicates_skipped=t.duplicates, torn=list(t.torn))
@@ -88,7 +88,7 @@ def _together(a: merge.Tally, b: merge.Tally) -> merge.Tally:
     return total
 
 
-_HEADER = ("run_name", "model", "distribution", "total_prompts", "batch_size", "remaining_not_run",
+_HEADER = ("run_name", "model", "distribution", "total_prompts", "samples_per_prompt", "batch_size", "remaining_not_run",
            "invalid_lines_skipped", "duration_seconds", "duration_seconds_total")
 
 

@@ -1,0 +1,81 @@
+"""The check of a finished sample: its row's `verify` command, run in the sample's own sandbox.
+
+When the conversation ends, before the sandbox closes, the model's final answer is written to
+FINAL_ANSWER in the work dir and the command runs there, through the `Sandbox` protocol only,
+so every backend runs it the same way (with the run's network setting and its own timeout).
+Exit 0 passes and any other exit fails, except 126 and 127: the shell saying the command could
+not be run or found, an error of the check rather than of the model (a missing test runner must
+not read as a model that failed). No exit within the timeout is a timeout; a sandbox that
+cannot open, take the answer or run the command is an error. None of it fails the prompt.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from trajgen.sandbox import Sandbox, SandboxError
+
+FINAL_ANSWER = ".trajgen/final_answer.txt"
+OUTPUT_TAIL = 2000  # characters of the command's output a row keeps: the end, where test summaries are
+NOT_RUN = {126: "not_executable", 127: "command_not_found"}  # what sh exits with when it cannot run a command
+
+
+class Verdict(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"  # the check could not run; says nothing about the model
+    TIMEOUT = "timeout"
+    UNVERIFIED = "unverified"  # the row has no verify command
+
+
+REWARD = {Verdict.PASSED: 1.0, Verdict.FAILED: 0.0, Verdict.TIMEOUT: 0.0}  # the rest: no reward (None)
+
+
+@dataclass(frozen=True)
+class Check:
+    verdict: Verdict
+    command: str | None = None
+    exit_code: int | None = None
+    seconds: float | None = None
+    output: str = ""  # the tail of what the command printed; for an error, why it could not run
+    error: str | None = None  # the kind of error: sandbox, command_not_found or not_executable
+
+    def as_row(self) -> dict:
+        return {"status": self.verdict.value, "command": self.command, "exit_code": self.exit_code,
+                "seconds": self.seconds, "output": self.output, "error": self.error}
+
+
+UNVERIFIED = Check(Verdict.UNVERIFIED)
+
+
+def status(row: dict) -> str:
+    """The row's verdict; rows written before verification existed are unverified."""
+    return (row.get("verify") or {}).get("status", Verdict.UNVERIFIED.value)
+
+
+async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[Sandbox]], timeout: float) -> Check:
+    """Open the sample's sandbox if the model never did, hand it the final answer, run the command."""
+    started = time.monotonic()
+    try:
+        box = await sandbox()
+        await box.write_file(FINAL_ANSWER, final_answer.encode())
+        ran = time.monotonic()
+        result = await box.run(command, timeout)
+    except (SandboxError, OSError) as e:
+        return Check(Verdict.ERROR, command, None, _since(started), str(e)[-OUTPUT_TAIL:], "sandbox")
+    seconds = _since(started)  # the whole check, the sandbox's start included
+    output = result.output[-OUTPUT_TAIL:]
+    if result.exit_code is None:  # no exit: the backend stopped it at the timeout, or the sandbox failed
+        if time.monotonic() - ran >= timeout:
+            return Check(Verdict.TIMEOUT, command, None, seconds, output)
+        why = "\n".join(part for part in (output, result.error) if part)
+        return Check(Verdict.ERROR, command, None, seconds, why[-OUTPUT_TAIL:], "sandbox")
+    if result.exit_code in NOT_RUN:
+        return Check(Verdict.ERROR, command, result.exit_code, seconds, output, NOT_RUN[result.exit_code])
+    return Check(Verdict.PASSED if result.exit_code == 0 else Verdict.FAILED, command, result.exit_code, seconds, output)
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 3)
