@@ -72,6 +72,7 @@ def progress_bar() -> Progress:
         TextColumn("eta"),
         TimeRemainingColumn(),
         console=err,
+        refresh_per_second=4,  # a person reads it; every redraw is CPU of the single writer
     )
 
 
