@@ -233,10 +233,12 @@ def report(ours: list[Run], ref: list[Run], installs: list[int], n: int, load: t
         f"`python bench/reference.py --prompts={n} --repeats={len(ours)} --reference-repeats={len(ref)}` ({date}, "
         f"runner at {git_head()}; {harness.MACHINE}, shared: load average {load[0]:.1f} at the start, {load[1]:.1f} at "
         f"the end). Both against one `python -m trajgen.scripted_server --latency {LATENCY}` on 127.0.0.1, inside a "
-        "loopback-only network namespace: 2 API calls per prompt, the first asking for one `terminal` call (`echo hi`, "
-        "local backends), every reply with a `reasoning` field (the reference drops rows without one). Wall time is the "
-        "CLI process from start to exit; ideal is the latency floor at each one's concurrency; rows count only prompts "
-        "whose row holds the `hi` of the terminal call (the lowest count over the runs).", "",
+        "loopback-only network namespace: 2 API calls per prompt, the first asking for one `terminal` call (`echo hi`; "
+        "ours runs it in the prompt's bubblewrap sandbox, the reference's local backend runs it on the host), every "
+        "reply with a `reasoning` field (the reference drops rows without one). Wall time is the CLI process from start "
+        "to exit; ideal is the latency floor at each one's concurrency (the reference's: 4 processes, each running "
+        "whole batches of 10 one prompt after the other); rows count only prompts whose row holds the `hi` of the "
+        "terminal call (the lowest count over the runs).", "",
         "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *md_rows, "",
         f"- Wall time, reference / ours: **{ratio:.1f}x**" + (" (one run of the reference)" if len(ref) == 1 else ""),
         f"- Packages the reference tried to install while it ran (`Lazy-installing` in its agent.log): {max(installs)} "
