@@ -501,5 +501,16 @@ def spread(values) -> str:
     return f"{min(values):.3g}–{max(values):.3g}"
 
 
+def write_section(start: str, end: str, section: str) -> None:
+    """Replace a standalone benchmark's section of RESULTS.md, from `start` to `end` (report.py keeps
+    it when it rewrites the rest), or append it."""
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else ""
+    if start in text and end in text:
+        text = text.split(start, 1)[0] + section + text.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    RESULTS_MD.write_text(text)
+
+
 def say(message: str) -> None:
     console.print(f"[dim]{datetime.now().strftime('%H:%M:%S')}[/] {message}")

@@ -9,6 +9,7 @@ from rich.table import Table
 
 import harness
 import ray_scale
+import reference
 import viewer
 from harness import (
     MACHINE,
@@ -361,7 +362,7 @@ def _overhead_findings(ov: dict | None) -> list[str]:
     return out
 
 
-STANDALONE = ((viewer.START, viewer.END), (ray_scale.START, ray_scale.END))
+STANDALONE = ((viewer.START, viewer.END), (ray_scale.START, ray_scale.END), (reference.START, reference.END))
 
 
 def write_markdown(results: dict, rows: list[Row]) -> None:

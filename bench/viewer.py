@@ -29,9 +29,10 @@ from pathlib import Path
 
 import orjson
 
+from harness import write_section
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-RESULTS_MD = BENCH / "RESULTS.md"
 START, END = "<!-- viewer -->", "<!-- /viewer -->"
 TARGET_MS = 100.0
 BATCH = 10
@@ -212,12 +213,7 @@ def write(rows: list[tuple[str, str, str]], n: int, repeats: int, pages: int, lo
     lines += [f"| {name} | {value} | {verdict} |" for name, value, verdict in rows]
     lines.append(END)
     section = "\n".join(lines)
-    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else ""
-    if START in text and END in text:
-        text = text.split(START, 1)[0] + section + text.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS_MD.write_text(text)
+    write_section(START, END, section)
     print(section)
 
 

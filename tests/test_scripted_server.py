@@ -106,6 +106,24 @@ def test_reasoning_fields_and_usage_extras(scripted_server):
     assert response.usage.completion_tokens_details.reasoning_tokens == 2
 
 
+def test_stream_true_answers_server_sent_events(scripted_server):
+    """Clients that always stream (the reference implementation does) get the scripted reply."""
+    handle = scripted_server({"default": [{
+        "tool_calls": [{"name": "search", "arguments": {"q": "x"}}], "reasoning": "look it up",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4}}]})
+    with client_for(handle).chat.completions.stream(
+            model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            stream_options={"include_usage": True}) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("search", {"q": "x"})]
+    assert message.model_extra["reasoning"] == "look it up"
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.usage.total_tokens == 7
+
+
 def test_defaults_without_script_entries(scripted_server):
     handle = scripted_server({})
     response = chat(client_for(handle), "unknown")

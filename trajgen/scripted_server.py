@@ -9,7 +9,9 @@ Endpoints
 ``POST /v1/chat/completions`` (also ``/chat/completions``), ``GET /v1/models``
 (also ``/models``), ``POST /_script`` (replace the script; resets ``times``
 counters), ``GET /_stats`` -> ``{"requests": n, "by_status": {"200": n, ...}}``.
-Anything else answers 404 with an OpenAI-style error body. Only chat-completion
+Anything else answers 404 with an OpenAI-style error body. A chat request with
+``"stream": true`` gets its reply as server-sent events: one chunk whose delta is the
+whole message, a usage chunk if ``stream_options.include_usage``, then ``[DONE]``. Only chat-completion
 requests are counted in ``/_stats`` and written to the log.
 
 Script format (a dict, or a JSON file holding one)
@@ -126,6 +128,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
 }
 JSON_HEADERS = {"Content-Type": "application/json"}
+SSE_HEADERS = {"Content-Type": "text/event-stream"}
 
 
 # --------------------------------------------------------------------------- json
@@ -371,7 +374,11 @@ class ScriptedBackend:
             if reply.get("retry_after") is not None:
                 headers["Retry-After"] = str(reply["retry_after"])
             return Outcome(status, error_payload(status, message), headers, delay)
-        return Outcome(200, self._completion(reply, body), {}, delay)
+        completion = self._completion(reply, body)
+        if body.get("stream") is True:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return Outcome(200, stream_events(completion, include_usage), SSE_HEADERS, delay)
+        return Outcome(200, completion, {}, delay)
 
     def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         """A ``chat.completion`` object as the OpenAI API would send it."""
@@ -422,6 +429,24 @@ class ScriptedBackend:
                 self._log_file.flush()
             elif self._memory is not None:
                 self._memory.append(entry)
+
+
+def stream_events(completion: dict[str, Any], include_usage: bool) -> bytes:
+    """The completion as the server-sent events of ``stream: true`` (clients that always stream):
+    one chunk whose delta is the whole message, the usage chunk if asked for, then ``[DONE]``."""
+    choice = completion["choices"][0]
+    delta = choice["message"]
+    if isinstance(delta, dict) and isinstance(delta.get("tool_calls"), list):
+        delta = dict(delta)
+        delta["tool_calls"] = [{"index": i, **call} if isinstance(call, dict) else call
+                               for i, call in enumerate(delta["tool_calls"])]
+    head = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
+            "model": completion["model"]}
+    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"],
+                                    "logprobs": None}]}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": completion["usage"]})
+    return b"".join(b"data: " + dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
 
 
 def make_usage(usage: Any) -> dict[str, Any]:
