@@ -29,6 +29,13 @@ def call(name: str, reasoning: str = "I need a tool", **arguments) -> dict:
     return {"tool_calls": [{"name": name, "arguments": arguments}], "reasoning": reasoning}
 
 
+# The CLI under test must get Ctrl-C as a terminal gives it. A pytest started in the background by a
+# shell without job control starts with SIGINT ignored, and an ignored signal stays ignored across
+# exec; a handler does not, so with one here every child starts with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
