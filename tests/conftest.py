@@ -36,6 +36,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def tool_outputs(row: dict) -> list[dict]:
+    """Each tool result of a row, in order (the content inside its <tool_response> envelope)."""
+    return [json.loads(t["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
+            for t in row["conversations"] if t["from"] == "tool"]
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

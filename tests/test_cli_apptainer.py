@@ -4,11 +4,10 @@ engine of tests/dockerd.py; Apptainer itself cannot be installed here). The runn
 the model the loopback scripted server; runs are few and each carries several checks."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 
-from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.standins import STANDINS, builds, live_instances
 from tests.test_hardening import _one_line_error, _wait_for
 from trajgen.options import RunOptions
@@ -18,11 +17,6 @@ pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]
 LATE = "127.0.0.1:1/trajgen-apptainer-late:1"  # missing at first; tagged in the engine before the resume
 SECRET = "sk-apptainer-secret-42"
 PROBE = "pwd; cat note.txt; echo; id -u; env; cat /proc/net/dev"
-
-
-def _outputs(row: dict) -> list[dict]:
-    return [json.loads(t["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
-            for t in row["conversations"] if t["from"] == "tool"]
 
 
 def _asked(server, prompt: str) -> int:
@@ -71,14 +65,14 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
     assert f"image {LATE} is unavailable (cannot build image docker://{LATE}: FATAL:" in stderr
     rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
     assert set(rows) == {"in app", "in srv", "timeout"}
-    [_, app] = _outputs(rows["in app"])
+    [_, app] = tool_outputs(rows["in app"])
     lines = app["output"].splitlines()
     assert lines[:3] == ["/app", "from the model", "65534"]  # the row's cwd, the file tool's file, uid nobody
     assert SECRET not in app["output"] and "API_KEY" not in app["output"] and "LANG=C.UTF-8" in lines
     interfaces = [line.split(":")[0].strip() for line in lines if ":" in line and "|" not in line and "=" not in line]
     assert interfaces == ["lo"]  # no network
-    assert _outputs(rows["in srv"])[0]["output"] == "/srv/work\nsearched\n"  # the other prompt's file is invisible
-    timed_out, started, probe = _outputs(rows["timeout"])
+    assert tool_outputs(rows["in srv"])[0]["output"] == "/srv/work\nsearched\n"  # the other prompt's file is invisible
+    timed_out, started, probe = tool_outputs(rows["timeout"])
     assert timed_out["exit_code"] is None and "timed out after 2 s" in timed_out["error"] and "begun" in timed_out["output"]
     assert started["output"] == "started\n"
     lines = probe["output"].splitlines()
@@ -101,7 +95,7 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
         subprocess.run(["docker", "-H", docker_engine, "rmi", LATE], capture_output=True)
     assert done.returncode == 0, done.stderr
     rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
-    assert _outputs(rows["late"])[0]["output"] == "root:x:0:0:root:/root:/bin/sh\n"
+    assert tool_outputs(rows["late"])[0]["output"] == "root:x:0:0:root:/root:/bin/sh\n"
     assert builds(apptainer_standin)[built_before:] == [f"docker://{busybox_image}", f"docker://{LATE}"]
 
 

@@ -4,21 +4,15 @@ and task command router on 127.0.0.1 and runs each sandbox as a container on the
 engine (always without network: a label records whether the backend asked Modal to block it)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import uuid
 
-from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.test_hardening import _wait_for
 
 pytest_plugins = ["tests.dockerd", "tests.standins.modal_fixture"]
 
 RUN_TAG = "modal-standin.tag.trajgen.run"  # the docker label the stand-in gives a sandbox's trajgen.run tag
-
-
-def _outputs(row: dict) -> list[dict]:
-    return [json.loads(t["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
-            for t in row["conversations"] if t["from"] == "tool"]
 
 
 def _rows(path) -> dict[str, dict]:
@@ -45,7 +39,7 @@ def test_modal_run_uses_each_rows_image_and_cwd_and_resume_retries_a_missing_ima
     assert f"{later} is unavailable" in done.stderr and "Traceback" not in done.stderr
     rows = _rows(cli.run_dir())
     assert set(rows) == {"in app", "in srv"}
-    app, srv = _outputs(rows["in app"])[1], _outputs(rows["in srv"])[1]
+    app, srv = tool_outputs(rows["in app"])[1], tool_outputs(rows["in srv"])[1]
     assert app["output"].startswith("/app\nfrom the model\n") and srv["output"].startswith("/srv/work\nfrom the model\n")
     assert app["output"].split("\n")[2] != srv["output"].split("\n")[2]  # two sandboxes, one per prompt
     assert rows["in app"]["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
@@ -62,7 +56,7 @@ def test_modal_run_uses_each_rows_image_and_cwd_and_resume_retries_a_missing_ima
     assert again.returncode == 0, again.stderr
     rows = _rows(cli.run_dir())
     assert set(rows) == {"in app", "in srv", "later"}
-    assert _outputs(rows["later"])[1]["output"].startswith("/workspace\nfrom the model\n")
+    assert tool_outputs(rows["later"])[1]["output"].startswith("/workspace\nfrom the model\n")
     assert modal_standin.containers(RUN_TAG) == []
 
 
@@ -86,7 +80,7 @@ def test_modal_sandboxes_are_isolated(cli, scripted_server, modal_standin, busyb
     server.open_gate("owner")
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0, err
-    probe, timed_out, survivors = _outputs(_rows(cli.run_dir())["neighbour"])
+    probe, timed_out, survivors = tool_outputs(_rows(cli.run_dir())["neighbour"])
     lines = probe["output"].splitlines()
     assert "dummy-key" not in probe["output"] and "sk-in-the-runner-env" not in probe["output"]
     assert {line.split("=")[0] for line in lines if "=" in line} >= {"LANG", "TERM"}

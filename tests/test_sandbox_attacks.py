@@ -9,7 +9,6 @@ after the other) cannot produce, so it drives a real sandbox directly.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI, call, read_jsonl, think, write_jsonl
+from tests.conftest import CLI, call, read_jsonl, think, tool_outputs, write_jsonl
 from trajgen.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig
@@ -45,12 +44,6 @@ def _keyring_probe(write: bool) -> str:
                  else f"l.syscall({keyctl}, 10, -4, b'user', b'trajgen-shared', 0)")  # KEYCTL_SEARCH in @u
     return (f"python3 -c \"import ctypes; l = ctypes.CDLL(None, use_errno=True); r = {call_text}; "
             f"print('KEY', r, ctypes.get_errno())\"")
-
-
-def _outputs(row: dict) -> list[dict]:
-    """Each tool result of a row, in order."""
-    return [json.loads(t["value"].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>"))["content"]
-            for t in row["conversations"] if t["from"] == "tool"]
 
 
 def _rows(cli: CLI, run_name: str) -> dict[str, dict]:
@@ -124,7 +117,7 @@ def test_prompts_cannot_pass_data_through_the_kernel_keyring(local_attacks):
     for rows in (_rows(cli, "run"), _rows(cli, "later")):
         for name in ("keyring writer", "keyring reader"):
             if name in rows:
-                output = _outputs(rows[name])[0]["output"]
+                output = tool_outputs(rows[name])[0]["output"]
                 assert output == "KEY -1 1\n", output  # EPERM: the seccomp filter refuses the keyring
     assert "SECRET" not in (cli.run_dir("later") / "trajectories.jsonl").read_text()
 
@@ -133,9 +126,9 @@ def test_prompts_cannot_pass_data_through_the_kernel_keyring(local_attacks):
 def test_a_fork_bomb_is_contained_and_its_neighbour_runs(local_attacks):
     cli, *_ = local_attacks
     rows = _rows(cli, "run")
-    healthy = _outputs(rows["healthy"])[0]
+    healthy = tool_outputs(rows["healthy"])[0]
     assert healthy["exit_code"] == 0 and healthy["output"] == "healthy-42\n", healthy
-    bomb = _outputs(rows["fork bomb"])[0]
+    bomb = tool_outputs(rows["fork bomb"])[0]
     assert bomb["success"] is False and "timed out after 6 s" in bomb["error"]
 
 
@@ -143,9 +136,9 @@ def test_a_fork_bomb_is_contained_and_its_neighbour_runs(local_attacks):
 def test_memory_tmp_and_disk_fills_hit_the_sandbox_limits(local_attacks):
     cli, *_ = local_attacks
     rows = _rows(cli, "run")
-    memory = _outputs(rows["memory fill"])[0]
+    memory = tool_outputs(rows["memory fill"])[0]
     assert memory["success"] is False and "hit its memory limit" in memory["error"], memory
-    tmp, work, after = _outputs(rows["disk fill"])
+    tmp, work, after = tool_outputs(rows["disk fill"])
     for fill, name in ((tmp, "tmp"), (work, "work")):
         assert fill["exit_code"] == 0 and fill["output"].endswith(f"No space left on device\n{name}=1\n"), fill
     assert after["success"] is False and "No space left on device" in after["error"]
@@ -154,7 +147,7 @@ def test_memory_tmp_and_disk_fills_hit_the_sandbox_limits(local_attacks):
 @ROOT_ONLY
 def test_a_large_file_does_not_fill_the_worker(local_attacks):
     cli, _, peak, *_ = local_attacks
-    made, read, patched, seen = _outputs(_rows(cli, "run")["big file"])
+    made, read, patched, seen = tool_outputs(_rows(cli, "run")["big file"])
     assert made["output"] == "made\n"
     assert read["success"] is True and read["total_lines"] == BIG_FILE_MB << 20
     lines = BIG_FILE_MB << 20
@@ -166,7 +159,7 @@ def test_a_large_file_does_not_fill_the_worker(local_attacks):
 
 def test_vision_refuses_private_urls_and_sends_nothing(local_attacks):
     cli, server, *_ = local_attacks
-    metadata, loopback = _outputs(_rows(cli, "run")["private vision"])
+    metadata, loopback = tool_outputs(_rows(cli, "run")["private vision"])
     for result in (metadata, loopback):
         assert result["success"] is False and result["error"].startswith("refused: ")
     assert not [r for r in server.requests() if r["prompt"] == QUESTION]
@@ -221,7 +214,7 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
         site.server.shutdown()
     assert done.returncode == 0, done.stderr
     rows = _rows(cli, "run")
-    slow, fine = _outputs(rows["slow"])[0], _outputs(rows["fine"])[0]
+    slow, fine = tool_outputs(rows["slow"])[0], tool_outputs(rows["fine"])[0]
     assert slow["success"] is False and "took longer than 10 s" in slow["error"]
     assert fine["success"] is True and "All good here." in fine["results"][0]["content"]
 
@@ -244,7 +237,7 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scri
     done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
     assert done.returncode == 0, done.stderr
     rows = _rows(cli, "run")
-    started, probe = _outputs(rows["leave a process"])
+    started, probe = tool_outputs(rows["leave a process"])
     assert started["output"] == "started\n"
     lines = probe["output"].splitlines()  # stdout only: its order against stderr is not kept across docker exec
     assert lines[:2] == ["0", "65534"], probe  # no sleep survived its call; commands run as uid 65534
@@ -252,7 +245,7 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scri
     assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
     assert int(caps["CapBnd"], 16) & (1 << 21) == 0  # CAP_SYS_ADMIN is not even in the bounding set
     assert "chown=1" in lines and "etc=1" in lines
-    assert _outputs(rows["neighbour"])[0]["output"] == "fine\n"
+    assert tool_outputs(rows["neighbour"])[0]["output"] == "fine\n"
 
 
 # --- the write race: a link swapped in while write_file works ---

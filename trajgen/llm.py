@@ -33,7 +33,6 @@ FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "acces
 OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
 
 
-
 class Endpoint:
     """One worker's connection to the chat endpoint, shared by all its conversations.
 
