@@ -307,7 +307,9 @@ class Writer:
 
     def end_batch(self, batch_num: int) -> None:
         self._jobs.put(self.batches.pop(batch_num, None))
-        if os.fstat(self.journal_fd).st_size >= max(COMPACT_AT, 2 * self._compacted_size):
+        with self._journal_lock:  # a compaction may be swapping the journal's descriptor
+            size = os.fstat(self.journal_fd).st_size
+        if size >= max(COMPACT_AT, 2 * self._compacted_size):
             self._compact_later()  # only once it doubled: compaction reads the whole journal
 
     def checkpoint(self, payload: dict) -> None:
