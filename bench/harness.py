@@ -282,7 +282,7 @@ def _role(root: int, pid: int, cmdline: str) -> str:
         return "worker"
     if "resource_tracker" in cmdline:
         return "resource_tracker"
-    return "other"  # sandboxes: prlimit, bwrap, setpriv, bash
+    return "other"  # sandboxes: bwrap, setpriv, bash
 
 
 class RssSampler(threading.Thread):

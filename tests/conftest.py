@@ -5,6 +5,8 @@ are real. Every run's output and HOME live under the test's tmp_path.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
 import signal
@@ -18,6 +20,23 @@ from trajgen.scripted_server import scripted_server  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET_ENV = ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")
+
+
+# One event loop for the whole session, as a worker has one: a sandbox's command loop lives across
+# calls, and its pipes must not outlive the loop they belong to (asyncio.run per call closes it).
+_runner = asyncio.Runner()
+
+
+def arun(coro):
+    """Run a coroutine on the session's event loop."""
+    return _runner.run(coro)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_loop():
+    yield
+    gc.collect()  # sandboxes the tests dropped release their pipes while the loop is still open
+    _runner.close()
 
 
 def think(text: str = "thinking") -> dict:

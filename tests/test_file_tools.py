@@ -1,14 +1,13 @@
 """The terminal and file tools over real sandboxes: what the model gets back, and what it cannot reach."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.tools import ToolContext
 from trajgen.tools.files import MAX_MATCHES, patch, read_file, search_files, write_file
 from trajgen.tools.terminal import terminal
+from tests.conftest import arun
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -23,7 +22,7 @@ def context(sandbox, command_timeout: float = 30) -> ToolContext:
 
 
 def call(fn, ctx, **arguments) -> dict:
-    return asyncio.run(fn(ctx, **arguments))
+    return arun(fn(ctx, **arguments))
 
 
 @pytest.fixture

@@ -286,10 +286,10 @@ print("flipped")
                     written += 1
                 except Exception:
                     refused += 1
+            await sandbox.close()
             return await flipping, written, refused
 
         result, written, refused = asyncio.run(race())
-        asyncio.run(sandbox.close())
     finally:
         cleanup(config)
     assert result.output.endswith("flipped\n")

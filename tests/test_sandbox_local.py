@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import socket
 import subprocess
@@ -19,24 +18,9 @@ from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_s
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.sandbox.roots import sweep_stale_roots
+from tests.conftest import arun
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
-
-# One event loop for the module, as a worker has one: a sandbox's command loop lives across calls,
-# and its pipes must not outlive the loop they belong to (asyncio.run per call closed it under them).
-_runner = asyncio.Runner()
-
-
-def arun(coro):
-    return _runner.run(coro)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_loop():
-    yield
-    gc.collect()  # sandboxes the tests dropped release their pipes while the loop is still open
-    _runner.close()
-
 
 @pytest.fixture
 def config(tmp_path: Path):
@@ -329,7 +313,7 @@ async def _in_turn(sandbox, *commands):
 def test_a_sandbox_whose_command_loop_dies_is_started_again(config):
     sandbox = open_sandbox(config, "p1", None, None)
     arun(sandbox.write_file("kept.txt", b"still here"))
-    lost, after = arun(_in_turn(sandbox, "kill -9 $(cut -d' ' -f4 /proc/$PPID/stat); sleep 4271", "cat kept.txt"))
+    lost, after = arun(_in_turn(sandbox, "kill -9 $PPID; sleep 4271", "cat kept.txt"))
     assert lost.exit_code is None and "stopped unexpectedly" in lost.error
     assert (after.output, after.exit_code) == ("still here", 0)
     time.sleep(0.2)

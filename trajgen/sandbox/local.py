@@ -28,11 +28,13 @@ from trajgen import locks
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
-from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Supervisor
+from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, process_channel
 
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
+# without a sandbox: the limits, then the command
+LIMITED = 'ulimit "${@:2}" || exit 126; exec bash -c "$1"'
 # moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
 ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
@@ -43,12 +45,10 @@ def sandbox_env(home: str) -> dict[str, str]:
     return {"PATH": path, "LANG": "C.UTF-8", "HOME": home, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
 
 
-def limit_argv(config: SandboxConfig) -> list[str]:
-    """prlimit prefix: CPU seconds, data size (memory), processes and file size, inherited by all."""
-    return [
-        "prlimit", f"--cpu={config.cpu_seconds}", f"--data={config.memory_mb << 20}",
-        f"--nproc={config.max_processes}", f"--fsize={config.file_size_mb << 20}", "--",
-    ]
+def ulimit_args(config: SandboxConfig) -> list[str]:
+    """bash `ulimit` options for a command: CPU seconds, data size (memory), processes, file size (KiB)."""
+    return ["-t", str(config.cpu_seconds), "-d", str(config.memory_mb << 10), "-u", str(config.max_processes),
+            "-f", str(config.file_size_mb << 10)]
 
 
 def _under(path: str, dirs: tuple[str, ...]) -> bool:
@@ -149,18 +149,19 @@ class LocalSandbox:
         self._uid_lock, self._group = uid_lock, group
         self.files = WorkDir(host_dir, cwd, uid if isolated and os.geteuid() == 0 else None)
 
-        self._supervisor = Supervisor(self._loop_argv, sandbox_env(cwd), host_dir) if isolated else None
+        self._supervisor = Supervisor(self._start) if isolated else None
 
-    def _loop_argv(self) -> tuple[list[str], list[int]]:
-        """prlimit, then the shell that joins the cgroup, then bwrap running the command loop."""
-        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, LOOP_ARGV)
+    async def _start(self) -> Channel:
+        """The shell that joins the cgroup, then bwrap running the command loop with the limits for each command."""
+        loop = [*LOOP_ARGV, *ulimit_args(self.config)]
+        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
-        return [*limit_argv(self.config), *argv], fds
+        return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir)
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         if self._supervisor is None:
-            return await run_process([*limit_argv(self.config), "bash", "-c", command], timeout,
+            return await run_process(["bash", "-c", LIMITED, "bash", command, *ulimit_args(self.config)], timeout,
                                      sandbox_env(self.cwd), cwd=self.host_dir)
         ooms = self._group.oom_kills() if self._group else 0
         result = await self._supervisor.run(command, timeout)
