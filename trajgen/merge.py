@@ -36,9 +36,10 @@ class Tally:
     def add(self, row: dict) -> None:
         self.rows += 1
         for name, s in (row.get("tool_stats") or {}).items():
-            entry = self.tools.setdefault(name, tool_stat())
-            for k in entry:
-                entry[k] += s.get(k, 0)
+            entry = self.tools.get(name) or self.tools.setdefault(name, tool_stat())
+            if s.get("count"):  # most of a row's tools were not called: nothing to add
+                for k in entry:
+                    entry[k] += s.get(k, 0)
         meta = row.get("metadata") or {}
         self.assistant_turns += meta.get("assistant_turns", 0)
         self.turns_with_reasoning += meta.get("turns_with_reasoning", 0)

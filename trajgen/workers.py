@@ -117,14 +117,18 @@ class _Worker:
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
+        def deliver(messages: list) -> None:
+            for message in messages:
+                inbox.put_nowait(message)
+
         def read() -> None:  # blocking pipe reads stay off the event loop
             while True:
                 try:
-                    message = conn.recv()
+                    messages = conn.recv()
                 except (EOFError, OSError):
-                    message = Stop()
-                loop.call_soon_threadsafe(inbox.put_nowait, message)
-                if isinstance(message, Stop):
+                    messages = [Stop()]
+                loop.call_soon_threadsafe(deliver, messages)
+                if any(isinstance(m, Stop) for m in messages):
                     return
 
         threading.Thread(target=read, daemon=True).start()
@@ -147,9 +151,33 @@ class _Worker:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
+class _Outbox:
+    """A worker's events, sent together once per turn of its event loop: one pickle and one pipe
+    write for all of them, not one per event. Every pipe message, both ways, is a list."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.pending: list[Event] = []
+
+    def send(self, event: Event) -> None:
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.pending.append(event)
+
+    def flush(self) -> None:
+        if self.pending:
+            events, self.pending = self.pending, []
+            try:
+                self.conn.send(events)
+            except OSError:  # the parent is gone; the reader thread's EOF stops this worker
+                pass
+
+
 def _worker_main(conn: Connection, config: WorkerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
-    asyncio.run(_Worker(config, conn.send).serve(conn))
+    outbox = _Outbox(conn)
+    asyncio.run(_Worker(config, outbox.send).serve(conn))
+    outbox.flush()
 
 
 @dataclass
@@ -157,6 +185,7 @@ class _Handle:
     process: mp.Process
     conn: Connection
     inflight: dict[str, Task] = field(default_factory=dict)
+    outbox: list[Submit] = field(default_factory=list)  # sent together at the next poll
 
 
 class ProcessPool:
@@ -185,10 +214,21 @@ class ProcessPool:
     def submit(self, task: Task) -> None:
         worker = min(self.workers, key=lambda w: len(w.inflight))
         worker.inflight[task.key] = task
-        worker.conn.send(Submit(task))
+        worker.outbox.append(Submit(task))
+
+    def _send(self, worker: _Handle, *messages: Submit | Cancel | Stop) -> None:
+        """The submitted prompts, then `messages`, in one pipe message."""
+        batch, worker.outbox = [*worker.outbox, *messages], []
+        if batch:
+            worker.conn.send(batch)
 
     def poll(self, timeout: float) -> list[Event]:
         """Messages from the workers; a dead worker's prompts come back as failed and it is replaced."""
+        for w in self.workers:
+            try:
+                self._send(w)
+            except OSError:  # a dead worker: found below
+                pass
         conns = {w.conn: w for w in self.workers}
         sentinels = {w.process.sentinel: w for w in self.workers}
         messages: list[Event] = []
@@ -197,10 +237,10 @@ class ProcessPool:
             if ready in conns:
                 try:
                     while worker.conn.poll():
-                        message = worker.conn.recv()
-                        if isinstance(message, Finished):
-                            worker.inflight.pop(message.outcome.key, None)
-                        messages.append(message)
+                        for message in worker.conn.recv():
+                            if isinstance(message, Finished):
+                                worker.inflight.pop(message.outcome.key, None)
+                            messages.append(message)
                 except (EOFError, OSError):
                     pass
             if not worker.process.is_alive() and worker in self.workers:
@@ -218,7 +258,7 @@ class ProcessPool:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
         for w in self.workers:
-            w.conn.send(Cancel())
+            self._send(w, Cancel())
         waiting = {w.conn: w for w in self.workers}
         arrived: list[Event] = []
         while waiting:
@@ -227,13 +267,14 @@ class ProcessPool:
                 break
             for conn in ready:
                 try:
-                    message = conn.recv()
+                    batch = conn.recv()
                 except (EOFError, OSError):
-                    message = Cancelled()
-                if isinstance(message, Cancelled):
-                    waiting.pop(conn).inflight.clear()
-                else:
-                    arrived.append(message)
+                    batch = [Cancelled()]
+                for message in batch:
+                    if isinstance(message, Cancelled):
+                        waiting.pop(conn).inflight.clear()
+                    else:
+                        arrived.append(message)
         return arrived
 
     def kill(self) -> None:
@@ -244,8 +285,8 @@ class ProcessPool:
     def close(self) -> None:
         for w in self.workers:
             try:
-                w.conn.send(Stop())
-            except (BrokenPipeError, OSError):
+                self._send(w, Stop())
+            except OSError:
                 pass
         for w in self.workers:
             w.process.join(timeout=10)
