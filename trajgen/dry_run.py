@@ -3,9 +3,11 @@ publishes prices, and show what would run. Nothing else is spent and nothing is 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.error
+import urllib.request
 from dataclasses import replace
 
-import httpx
 from rich.table import Table
 
 from trajgen import console, errors, llm
@@ -32,13 +34,15 @@ async def _probe(settings: ModelSettings) -> str | None:
 def _prices(settings: ModelSettings) -> tuple[float, float] | None:
     """(USD per prompt token, per completion token) from the endpoint's /models, where it lists them (OpenRouter)."""
     try:
-        response = httpx.get(f"{settings.base_url.rstrip('/')}/models", timeout=15,
-                             headers={"Authorization": f"Bearer {settings.api_key}"})
-        for model in response.json().get("data", []):
+        request = urllib.request.Request(f"{settings.base_url.rstrip('/')}/models",
+                                         headers={"Authorization": f"Bearer {settings.api_key}"})
+        with urllib.request.urlopen(request, timeout=15) as response:
+            listing = json.load(response)
+        for model in listing.get("data", []):
             pricing = model.get("pricing") if model.get("id") == settings.model else None
             if pricing:
                 return float(pricing["prompt"]), float(pricing["completion"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return None
 

@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 
 from trajgen.errors import UsageError
 
@@ -100,15 +101,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+
+
 def _wait_until_ready(server: Server) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while True:
         if problem := server.problem():
             raise LocalServerError(f"{problem} (before it answered)")
         try:
-            if httpx.get(f"{server.url}/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with _DIRECT.open(f"{server.url}/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # not listening yet, or an error status
             pass
         if time.monotonic() > deadline:
             raise LocalServerError(f"the local model server did not answer in {STARTUP_SECONDS} s; {_log_tail(server.log)}")

@@ -13,13 +13,10 @@ import os
 import re
 import uuid
 
-import httpx
-
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.vision import cached_client, image_mime
 
 FAL_DEFAULT_MODEL = "fal-ai/flux/schnell"
-TIMEOUT = httpx.Timeout(180.0, connect=10.0)
 SIZE = re.compile(r"^(\d{2,4})x(\d{2,4})$")
 EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif"}
 
@@ -67,7 +64,9 @@ async def _fal(settings: ToolSettings, prompt: str, size: str | None, files: dic
     if size:
         width, height = size.split("x")
         body["image_size"] = {"width": int(width), "height": int(height)}
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0, connect=10.0)) as client:
         response = await client.post(
             os.environ.get("FAL_BASE_URL", "https://fal.run").rstrip("/") + "/" + model,
             headers={"Authorization": f"Key {os.environ['FAL_KEY']}"}, json=body,
@@ -79,7 +78,8 @@ async def _fal(settings: ToolSettings, prompt: str, size: str | None, files: dic
 
 
 async def image_generate(ctx: ToolContext, prompt: object = None, size: object = None) -> dict:
-    import openai  # here, not at the top: importing the SDK costs a second of CPU in every worker
+    import httpx  # here, not at the top: importing httpx and the SDK costs a second of CPU in every worker
+    import openai
 
     if not isinstance(prompt, str) or not prompt.strip():
         return _fail("`prompt` must be a non-empty string")

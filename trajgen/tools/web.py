@@ -20,13 +20,14 @@ import json
 import os
 import subprocess
 import sys
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 from urllib.parse import urlsplit
-
-import httpx
 
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Verdict, check_host, check_url
+
+if TYPE_CHECKING:  # imported where used: httpx costs 0.15 s of CPU in every worker, which imports this module for its schemas
+    import httpx
 
 DEFAULT_RESULTS = 5
 MAX_RESULTS = 10
@@ -36,7 +37,6 @@ MAX_PAGE_BYTES = 2 * 1024 * 1024
 MAX_PAGE_CHARS = 40_000
 MAX_REDIRECTS = 5
 HTML_TIMEOUT = 10.0
-TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 USER_AGENT = "Mozilla/5.0 (compatible; trajgen-web-extract/0.1)"
 TEXT_TYPES = ("application/json", "application/xml", "application/xhtml+xml", "application/javascript")
 
@@ -101,7 +101,7 @@ async def _searxng(client: httpx.AsyncClient, query: str, limit: int) -> list[di
     return [_hit(r.get("title"), r.get("url"), r.get("content")) for r in response.json()["results"][:limit]]
 
 
-Search = Callable[[httpx.AsyncClient, str, int], Awaitable[list[dict]]]
+Search = Callable[["httpx.AsyncClient", str, int], Awaitable[list[dict]]]
 PROVIDERS: list[tuple[str, str, Search]] = [  # (name, env var that enables it, search); first configured wins
     ("tavily", "TAVILY_API_KEY", _tavily),
     ("exa", "EXA_API_KEY", _exa),
@@ -123,8 +123,16 @@ def search_unavailable(settings: ToolSettings) -> str | None:
     return None
 
 
+def _client(**options) -> httpx.AsyncClient:
+    import httpx
+
+    return httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0), **options)
+
+
 def _api_error(provider: str, e: Exception) -> str:
     """A provider's failure in one line, never with a key in it (some APIs echo the key back)."""
+    import httpx
+
     if isinstance(e, httpx.HTTPStatusError):
         message = f"{provider} answered HTTP {e.response.status_code}: {_cut(e.response.text, 300)}"
     elif isinstance(e, httpx.HTTPError):
@@ -146,8 +154,10 @@ async def web_search(ctx: ToolContext, query: object = None, limit: object = DEF
     if chosen is None:
         return _fail(search_unavailable(ctx.settings))
     name, search = chosen
+    import httpx
+
     try:
-        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        async with _client() as client:
             results = await search(client, query, min(limit, MAX_RESULTS))
     except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as e:
         return _fail(_api_error(name, e))
@@ -195,6 +205,8 @@ def _page(url: str, final_url: str, title: str | None, content: str, truncated: 
 async def _fetch(client: httpx.AsyncClient, url: str, allow_private: bool) -> dict:
     """One page through the runner: redirects followed up to a limit, each hop checked before it is
     requested, from the address that was checked; text types only, size capped."""
+    import httpx
+
     target = httpx.URL(url)  # checked as httpx will read it
     for hop in range(MAX_REDIRECTS + 1):
         checked: list[str] = []
@@ -255,6 +267,8 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> dict:
 
 
 async def _extract_one(client: httpx.AsyncClient, url: str, firecrawl: bool, allow_private: bool) -> dict:
+    import httpx
+
     try:
         if not firecrawl:
             return await _fetch(client, url, allow_private)
@@ -282,10 +296,10 @@ async def web_extract(ctx: ToolContext, urls: object = None) -> dict:
             return _fail(f"{url!r} is not an http(s) URL")
     firecrawl = bool(os.environ.get("FIRECRAWL_API_KEY"))
     if firecrawl:
-        client = httpx.AsyncClient(timeout=TIMEOUT)
+        client = _client()
     else:
-        client = httpx.AsyncClient(
-            timeout=TIMEOUT, trust_env=False,  # redirects are followed by _fetch, which checks each hop
+        client = _client(
+            trust_env=False,  # redirects are followed by _fetch, which checks each hop
             headers={"User-Agent": USER_AGENT, "Accept": "text/html, text/plain;q=0.9, */*;q=0.5"},
         )
     async with client:
