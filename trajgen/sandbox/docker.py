@@ -1,4 +1,4 @@
-"""The `docker` backend: one container per prompt, driven through the `docker` CLI.
+"""The `docker` backend: one container per prompt, driven through the Docker Engine API (docker_api.py).
 
 The container is the boundary: no network unless asked; CPU, memory and process limits; every
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
@@ -6,38 +6,31 @@ capability dropped but the few a root shell needs, no-new-privileges, and comman
 (or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
 with -9 left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
 and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together with
-everything it started, setsid or not: nothing a call starts outlives it.
+everything it started, setsid or not: nothing a call starts outlives it. Every call is an exec
+through the API, no `docker` process of its own; only pulls and the synchronous reaping run the CLI.
 """
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from typing import AsyncIterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
+from trajgen.sandbox.docker_api import STDOUT, EngineError, call, docker_env, run_exec, start_exec
+from trajgen.sandbox.process import Capture, last_line, run_cli
 
 PULL_TIMEOUT = 900.0
-CONTROL_TIMEOUT = 120.0  # docker run / rm / inspect
+CONTROL_TIMEOUT = 120.0  # container create / start / rm, image inspect
 REAPER = "while :; do sleep 2147483647 & wait; done"
 PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 # the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
 ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
+MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
+KILL_ALL = ["sh", "-c", "kill -9 -1 2>/dev/null; true"]
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 USER = "65534:65534"
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
-
-
-def docker_env() -> dict[str, str]:
-    """What the docker CLI needs (DOCKER_HOST, its config), and none of the runner's other variables."""
-    return {k: v for k, v in os.environ.items() if k.startswith("DOCKER_") or k in ("PATH", "HOME")}
-
-
-async def _docker(*args: str, timeout: float, stdin: bytes | None = None) -> tuple[int | None, bytes, str]:
-    """Run one docker CLI command: (exit code or None on timeout, stdout, stderr's text)."""
-    return await run_cli(["docker", *args], docker_env(), timeout, stdin)
 
 
 class DockerSandbox:
@@ -57,61 +50,105 @@ class DockerSandbox:
                 self._id = await self._start()
         return self._id
 
-    async def _start(self) -> str:
+    def _spec(self) -> dict:
+        """What `docker run` would send for the container: the limits and labels above."""
         c = self.config
-        code, out, err = await _docker(
-            "run", "-d", "--pull", "never", *([] if c.network else ["--network", "none"]),
-            "--cpus", f"{c.cpus:g}", "--memory", f"{c.memory_mb}m", "--memory-swap", f"{c.memory_mb}m",
-            "--pids-limit", str(c.max_processes), "--ulimit", f"cpu={c.cpu_seconds}",
-            "--ulimit", f"fsize={c.file_size_mb << 20}", "--cap-drop", "ALL",
-            *(f"--cap-add={cap}" for cap in SHELL_CAPS), "--security-opt", "no-new-privileges",
-            "--tmpfs", f"/tmp:size={c.disk_mb}m,mode=1777",
-            "--label", f"trajgen.session={c.label}", "--label", f"trajgen.run={c.run_id}",
-            "--label", f"trajgen.key={self.key}",
-            "-e", "LANG=C.UTF-8", "-e", "TERM=dumb", "-e", "PYTHONUNBUFFERED=1",
-            "-w", self.cwd, "--entrypoint", "sh", self.image, "-c", REAPER,
-            timeout=CONTROL_TIMEOUT,
-        )
-        if code != 0:
-            raise SandboxError(f"cannot start a container from image {self.image}: {last_line(err)}")
-        cid = out.decode().strip()
-        if not c.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
-            code, _, err = await _docker("exec", "-u", "0", cid, "chown", USER, self.cwd, timeout=CONTROL_TIMEOUT)
+        return {
+            "Image": self.image, "Entrypoint": ["sh"], "Cmd": ["-c", REAPER], "WorkingDir": self.cwd,
+            "Env": ["LANG=C.UTF-8", "TERM=dumb", "PYTHONUNBUFFERED=1"],
+            "Labels": {"trajgen.session": c.label, "trajgen.run": c.run_id, "trajgen.key": self.key},
+            "HostConfig": {
+                "NetworkMode": "default" if c.network else "none", "NanoCpus": round(c.cpus * 1e9),
+                "Memory": c.memory_mb << 20, "MemorySwap": c.memory_mb << 20, "PidsLimit": c.max_processes,
+                "Ulimits": [{"Name": "cpu", "Soft": c.cpu_seconds, "Hard": c.cpu_seconds},
+                            {"Name": "fsize", "Soft": c.file_size_mb << 20, "Hard": c.file_size_mb << 20}],
+                "CapDrop": ["ALL"], "CapAdd": list(SHELL_CAPS), "SecurityOpt": ["no-new-privileges"],
+                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"},
+            },
+        }
+
+    async def _start(self) -> str:
+        try:
+            async with asyncio.timeout(CONTROL_TIMEOUT):
+                cid = (await call("POST", "/containers/create", self._spec()))["Id"]
+                await call("POST", f"/containers/{cid}/start")
+        except (SandboxError, TimeoutError) as e:
+            raise SandboxError(f"cannot start a container from image {self.image}: {_reason(e)}") from None
+        if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
+            output = Capture()
+            try:
+                async with asyncio.timeout(CONTROL_TIMEOUT):
+                    code = await run_exec(cid, "0", ["chown", USER, self.cwd], lambda _, data: output.add(data))
+            except (SandboxError, TimeoutError) as e:
+                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {_reason(e)}") from None
             if code != 0:
-                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(err)}")
+                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(output.text())}")
         return cid
 
     @property
-    def _user(self) -> list[str]:
-        return ["-u", "0" if self.config.docker_root else USER]
+    def _user(self) -> str:
+        return "0" if self.config.docker_root else USER
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
-
-        async def kill_all() -> None:  # killing the docker CLI leaves the command running inside
-            await _docker("exec", *self._user, cid, "sh", "-c", "kill -9 -1", timeout=CONTROL_TIMEOUT)
-
-        argv = ["docker", "exec", *self._user, cid, "sh", "-c", ONE_CALL, "sh", command]
-        return await run_process(argv, timeout, docker_env(), on_timeout=kill_all)
+        output = Capture()
+        try:
+            async with asyncio.timeout(timeout):
+                code = await run_exec(cid, self._user, ["sh", "-c", MERGED, "sh", command], lambda _, data: output.add(data))
+        except TimeoutError:  # the command runs on inside without our connection: kill all it left
+            async with asyncio.timeout(CONTROL_TIMEOUT):
+                await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
+            return ExecResult(output.text(), None, f"timed out after {timeout:g} s; the command and its children were killed")
+        if code is None:
+            return ExecResult(output.text(), None, "the Docker engine did not report the command's exit status")
+        return ExecResult(output.text(), code)
 
     async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
         cid = await self._container()
-        argv = ["docker", "exec", *self._user, cid, "sh", "-c", READ, "sh", path]
-        async for chunk in stream_stdout(argv, docker_env(), self.config.command_timeout, path):
-            yield chunk
+        errors = Capture()
+        timeout = self.config.command_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                ex = await start_exec(cid, self._user, ["sh", "-c", READ, "sh", path])
+                try:
+                    async for stream, data in ex.frames():
+                        if stream == STDOUT:
+                            yield data
+                        else:
+                            errors.add(data)
+                    code = await ex.exit_code()
+                finally:
+                    ex.close()
+        except TimeoutError:
+            raise SandboxError(f"cannot read {path}: no end within {timeout:g} s") from None
+        if code != 0:
+            raise SandboxError(f"cannot read {path}: {last_line(errors.text())}")
 
     async def write_file(self, path: str, data: bytes) -> None:
         cid = await self._container()
-        code, _, err = await _docker(
-            "exec", "-i", *self._user, cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
-        )
+        errors = Capture()
+        timeout = self.config.command_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                code = await run_exec(cid, self._user, ["sh", "-c", WRITE, "sh", path],
+                                      lambda _, chunk: errors.add(chunk), stdin=data)
+        except TimeoutError:
+            raise SandboxError(f"cannot write {path}: no end within {timeout:g} s") from None
         if code != 0:
-            raise SandboxError(f"cannot write {path}: {last_line(err)}")
+            raise SandboxError(f"cannot write {path}: {last_line(errors.text())}")
 
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
-            await _docker("rm", "-f", self._id, timeout=CONTROL_TIMEOUT)
+            try:
+                async with asyncio.timeout(CONTROL_TIMEOUT):
+                    await call("DELETE", f"/containers/{self._id}", force="1")
+            except EngineError:  # already gone
+                pass
             self._id = None
+
+
+def _reason(error: SandboxError | TimeoutError) -> str:
+    return str(error) if isinstance(error, SandboxError) else f"the Docker engine did not answer within {CONTROL_TIMEOUT:g} s"
 
 
 def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> DockerSandbox:
@@ -119,12 +156,20 @@ def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | N
 
 
 async def check_image(image: str, config: SandboxConfig) -> str | None:
-    """None if the image is local or could be pulled, else a one-line reason."""
+    """None if the image is local or could be pulled (by the CLI: registry logins live there), else a one-line reason."""
     try:
-        code, _, _ = await _docker("image", "inspect", image, timeout=CONTROL_TIMEOUT)
-        if code == 0:
-            return None
-        code, _, err = await _docker("pull", "--quiet", image, timeout=PULL_TIMEOUT)
+        async with asyncio.timeout(CONTROL_TIMEOUT):
+            await call("GET", f"/images/{image}/json")
+        return None
+    except EngineError as e:
+        if e.status != 404:
+            return f"cannot inspect image {image}: {e}"
+    except TimeoutError:
+        return f"cannot inspect image {image}: the Docker engine did not answer within {CONTROL_TIMEOUT:g} s"
+    except SandboxError as e:
+        return str(e)
+    try:
+        code, _, err = await run_cli(["docker", "pull", "--quiet", image], docker_env(), PULL_TIMEOUT)
     except SandboxError as e:
         return str(e)
     return None if code == 0 else f"image {image} is not available locally and pulling it failed: {last_line(err)}"
