@@ -26,7 +26,7 @@ PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; e
 # the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
 ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
 MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
-KILL_ALL = ["sh", "-c", "kill -9 -1 2>/dev/null; true"]
+KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the caller may signal, but itself
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 USER = "65534:65534"

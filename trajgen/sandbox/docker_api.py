@@ -17,7 +17,7 @@ import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from urllib.parse import quote
 
 from trajgen.sandbox import SandboxError
@@ -243,7 +243,7 @@ class Exec:
         self._conn.close()
 
 
-async def run_exec(container: str, user: str, argv: list[str], on_output: Callable[[int, bytes], None],
+async def run_exec(container: str, user: str, argv: Sequence[str], on_output: Callable[[int, bytes], None],
                    stdin: bytes | None = None) -> int | None:
     """Run argv in the container to its end, each output frame to `on_output`: its exit code."""
     ex = await start_exec(container, user, argv, stdin)
@@ -255,11 +255,11 @@ async def run_exec(container: str, user: str, argv: list[str], on_output: Callab
         ex.close()
 
 
-async def start_exec(container: str, user: str, argv: list[str], stdin: bytes | None = None) -> Exec:
+async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bytes | None = None) -> Exec:
     """Run argv in the container as `user`; `stdin`, if given, is its whole input (then end of file)."""
     where = endpoint()
     created = await call("POST", f"/containers/{container}/exec", {
-        "User": user, "Cmd": argv, "AttachStdin": stdin is not None, "AttachStdout": True, "AttachStderr": True,
+        "User": user, "Cmd": list(argv), "AttachStdin": stdin is not None, "AttachStdout": True, "AttachStderr": True,
         "Tty": False,
     })
     conn = await _connect(where)
