@@ -71,8 +71,10 @@ def test_resume_removes_the_containers_a_killed_runner_left(cli, scripted_server
     assert containers("trajgen.run") == []
 
 
-def test_terminal_and_file_calls_start_no_docker_process(cli, scripted_server, docker_engine, busybox_image):
-    """Every call is an exec through the Engine API: a `docker` on PATH that logs itself sees only reaping."""
+def test_terminal_and_file_calls_start_no_docker_process(cli, scripted_server, docker_engine, busybox_image,
+                                                        bash_image):
+    """Every call is an exec through the Engine API, one per call (busybox) or one loop per prompt (bash):
+    a `docker` on PATH that logs itself sees only the run's reaping."""
     log = cli.cwd / "docker-calls.log"
     wrapper = cli.cwd / "bin" / "docker"
     wrapper.parent.mkdir()
@@ -85,7 +87,7 @@ def test_terminal_and_file_calls_start_no_docker_process(cli, scripted_server, d
         call("read_file", path="n.txt"),
         think("done"),
     ]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}", "image": busybox_image} for i in range(2)])
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "sh", "image": busybox_image}, {"prompt": "bash", "image": bash_image}])
     done = cli.run(*cli.args(server, terminal_backend="docker"),
                    env={"DOCKER_HOST": docker_engine, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr

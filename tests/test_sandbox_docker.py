@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
 
@@ -128,3 +129,44 @@ def test_cleanup_removes_only_this_sessions_containers(config, busybox_image, tm
     assert len(containers(other.label)) == 1
     cleanup(other)
     assert containers(other.label) == []
+
+
+def test_an_image_with_bash_runs_a_prompts_commands_through_one_exec(config, bash_image):
+    """One command loop per prompt: later commands start no exec of their own, and find /tmp empty as local does."""
+    sandbox = open_sandbox(config, "p1", bash_image, None)
+
+    async def session():
+        await sandbox.write_file("note.txt", b"from the host\n")
+        first = await sandbox.run("touch /tmp/left; cat note.txt; echo loop=$PPID", 30)
+        execs = inspect(sandbox._id, "{{len .ExecIDs}}")
+        later = [await sandbox.run(f"ls -A /tmp; echo {i} >> note.txt; echo loop=$PPID", 30) for i in range(3)]
+        return first, execs, later, inspect(sandbox._id, "{{len .ExecIDs}}"), await read_file(sandbox, "note.txt", 1 << 20)
+
+    try:
+        first, execs, later, execs_after, note = arun(session())
+    finally:
+        arun(sandbox.close())
+    assert first.output.startswith("from the host\nloop=") and first.exit_code == 0
+    assert [r.output for r in later] == [first.output.split("\n", 1)[1]] * 3  # /tmp empty, the same loop each time
+    assert execs == execs_after == "1"  # between commands, the loop is the container's one exec
+    assert note == b"from the host\n0\n1\n2\n"
+
+
+def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_command_works(config, bash_image):
+    sandbox = open_sandbox(config, "p1", bash_image, None)
+
+    async def session():
+        timed_out = await sandbox.run("setsid sleep 4251 & (sleep 4252 &); echo begun; sleep 4253", 2)
+        after = await sandbox.run("ps -o args", 30)
+        lost = await sandbox.run("setsid sleep 4254 & kill -9 $PPID; sleep 4255", 30)
+        return timed_out, after, lost, await sandbox.run("ps -o args", 30)
+
+    try:
+        timed_out, after, lost, after_lost = arun(session())
+    finally:
+        arun(sandbox.close())
+    assert timed_out.exit_code is None and timed_out.error.startswith("timed out after 2 s")
+    assert timed_out.output == "begun\n"
+    assert lost.exit_code is None and "stopped unexpectedly" in lost.error
+    for ps in (after, after_lost):
+        assert "sleep 425" not in ps.output and ps.exit_code == 0

@@ -4,10 +4,14 @@ The container is the boundary: no network unless asked; CPU, memory and process 
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
 65534 unless `docker_root`; a session label so `cleanup` can find every container an invocation
 (or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
-with -9 left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
-and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together with
-everything it started, setsid or not: nothing a call starts outlives it. Every call is an exec
-through the API, no `docker` process of its own; only pulls and the synchronous reaping run the CLI.
+with -9 left. PID 1 is a tiny root shell loop that reaps orphans and survives `kill -9 -1`,
+which is how every terminal call ends, on time or not, together with everything it started,
+setsid or not: nothing a call starts outlives it. In an image with bash, a prompt's commands go
+through one exec running the command loop (supervise.sh, as the local backend runs it), which
+empties /tmp after each; a timeout or a lost loop kills every process of the commands' user (PID 1
+and the files stay) and the next command starts a new loop. Other images get one exec per call.
+Every call is an exec through the Engine API, no `docker` process of its own; only pulls and the
+synchronous reaping run the CLI.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import AsyncIterator
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
 from trajgen.sandbox.docker_api import STDOUT, EngineError, call, docker_env, run_exec, start_exec
 from trajgen.sandbox.process import Capture, last_line, run_cli
+from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
 PULL_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # container create / start / rm, image inspect
@@ -29,8 +34,11 @@ MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream
 KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the caller may signal, but itself
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
+HAS_BASH = ("sh", "-c", "command -v bash >/dev/null")  # what the command loop needs of an image
 USER = "65534:65534"
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
+
+_loop_images: dict[str, bool] = {}  # image -> whether it can run the command loop; asked once per process
 
 
 class DockerSandbox:
@@ -43,12 +51,40 @@ class DockerSandbox:
         self.cwd = cwd
         self._id: str | None = None
         self._lock = asyncio.Lock()
+        self._loop: Supervisor | None = None  # set at the container's start if the image has bash
 
     async def _container(self) -> str:
         async with self._lock:
             if self._id is None:
                 self._id = await self._start()
+                if await self._runs_loop(self._id):
+                    self._loop = Supervisor(self._open_loop)
         return self._id
+
+    async def _runs_loop(self, cid: str) -> bool:
+        if self.image not in _loop_images:
+            try:
+                async with asyncio.timeout(CONTROL_TIMEOUT):
+                    _loop_images[self.image] = await run_exec(cid, self._user, HAS_BASH, lambda *_: None) == 0
+            except (SandboxError, TimeoutError) as e:
+                raise SandboxError(f"cannot look into image {self.image}: {_reason(e)}") from None
+        return _loop_images[self.image]
+
+    async def _open_loop(self) -> Channel:
+        """The command loop as one exec over the container's work dir, talking on that exec's stdin and stdout."""
+        cid = await self._container()
+        async with asyncio.timeout(CONTROL_TIMEOUT):
+            loop = await start_exec(cid, self._user, LOOP_ARGV, stdin=True)
+
+        async def kill() -> None:
+            try:
+                if self._id == cid:  # a removed container has nothing left to kill
+                    async with asyncio.timeout(CONTROL_TIMEOUT):
+                        await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
+            finally:
+                loop.close()
+
+        return Channel(loop, loop.writer, kill)
 
     def _spec(self) -> dict:
         """What `docker run` would send for the container: the limits and labels above."""
@@ -91,6 +127,8 @@ class DockerSandbox:
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
+        if self._loop is not None:
+            return await self._loop.run(command, timeout)
         output = Capture()
         try:
             async with asyncio.timeout(timeout):
@@ -145,6 +183,8 @@ class DockerSandbox:
             except EngineError:  # already gone
                 pass
             self._id = None
+        if self._loop is not None:  # a kept container's loop is killed; a removed one's connection closed
+            await self._loop.stop()
 
 
 def _reason(error: SandboxError | TimeoutError) -> str:

@@ -206,28 +206,53 @@ async def call(method: str, path: str, body: Any = None, **query: Any) -> Any:
 
 
 class Exec:
-    """A started exec: its output frames as they come, then its exit code. Close it in every case."""
+    """A started exec: its input, its output frames as they come, then its exit code. Close it in every case."""
 
     def __init__(self, where: Endpoint, exec_id: str, conn: _Connection) -> None:
         self._where, self.id, self._conn = where, exec_id, conn
+        self.writer = conn.writer  # the command's stdin, if it was attached
+        self._held = b""
+
+    async def frame(self) -> tuple[int, bytes] | None:
+        """The next (stream, bytes), or None once the command and everything holding its output have ended."""
+        reader = self._conn.reader
+        try:
+            header = await reader.readexactly(HEADER.size)
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            raise await self._conn.lost(self._where) from None
+        except OSError:
+            raise await self._conn.lost(self._where) from None
+        stream, size = HEADER.unpack(header)
+        try:
+            return stream, await reader.readexactly(size)
+        except (asyncio.IncompleteReadError, OSError):
+            raise await self._conn.lost(self._where) from None
+
+    async def send(self, data: bytes) -> None:
+        """All of the command's input, then its end of file; its output still comes back."""
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+            self.writer.write_eof()
+        except OSError:
+            raise await self._conn.lost(self._where) from None
 
     async def frames(self) -> AsyncIterator[tuple[int, bytes]]:
-        """(stream, bytes) until the command and everything holding its output have ended."""
-        reader = self._conn.reader
-        while True:
-            try:
-                header = await reader.readexactly(HEADER.size)
-            except asyncio.IncompleteReadError as e:
-                if e.partial:
-                    raise await self._conn.lost(self._where) from None
-                return
-            except OSError:
-                raise await self._conn.lost(self._where) from None
-            stream, size = HEADER.unpack(header)
-            try:
-                yield stream, await reader.readexactly(size)
-            except (asyncio.IncompleteReadError, OSError):
-                raise await self._conn.lost(self._where) from None
+        while frame := await self.frame():
+            yield frame
+
+    async def read(self, n: int) -> bytes:
+        """Up to n bytes of its stdout (its stderr left out), b"" at the end: the exec as a byte stream."""
+        while not self._held:
+            frame = await self.frame()
+            if frame is None:
+                return b""
+            if frame[0] == STDOUT:
+                self._held = frame[1]
+        data, self._held = self._held[:n], self._held[n:]
+        return data
 
     async def exit_code(self) -> int | None:
         """The exit code once the daemon has seen the exit (it may lag the end of the output a little)."""
@@ -245,9 +270,11 @@ class Exec:
 
 async def run_exec(container: str, user: str, argv: Sequence[str], on_output: Callable[[int, bytes], None],
                    stdin: bytes | None = None) -> int | None:
-    """Run argv in the container to its end, each output frame to `on_output`: its exit code."""
-    ex = await start_exec(container, user, argv, stdin)
+    """Run argv in the container to its end, `stdin` its whole input, each output frame to `on_output`: its exit code."""
+    ex = await start_exec(container, user, argv, stdin=stdin is not None)
     try:
+        if stdin is not None:
+            await ex.send(stdin)
         async for stream, data in ex.frames():
             on_output(stream, data)
         return await ex.exit_code()
@@ -255,12 +282,11 @@ async def run_exec(container: str, user: str, argv: Sequence[str], on_output: Ca
         ex.close()
 
 
-async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bytes | None = None) -> Exec:
-    """Run argv in the container as `user`; `stdin`, if given, is its whole input (then end of file)."""
+async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bool = False) -> Exec:
+    """Start argv in the container as `user`, with its stdin attached (Exec.writer) if asked."""
     where = endpoint()
     created = await call("POST", f"/containers/{container}/exec", {
-        "User": user, "Cmd": list(argv), "AttachStdin": stdin is not None, "AttachStdout": True, "AttachStderr": True,
-        "Tty": False,
+        "User": user, "Cmd": list(argv), "AttachStdin": stdin, "AttachStdout": True, "AttachStderr": True, "Tty": False,
     })
     conn = await _connect(where)
     try:
@@ -269,13 +295,6 @@ async def start_exec(container: str, user: str, argv: Sequence[str], stdin: byte
         status, headers = await _head(conn, where)
         if status not in (101, 200):
             raise _error(status, await _body(conn, where, headers))
-        if stdin is not None:
-            try:
-                conn.writer.write(stdin)
-                await conn.writer.drain()
-                conn.writer.write_eof()  # the command's end of input; its output still comes back
-            except OSError:
-                raise await conn.lost(where) from None
     except BaseException:
         conn.close()
         raise
