@@ -3,10 +3,11 @@
 
 Each of C sandboxes (containers) runs one command first, outside the clock (the container's
 start), then its share of N `echo hi` commands. CPU, not wall time: the machine is shared.
-  runner  this process and its children (a docker CLI process per call, if the tree runs one)
-  engine  dockerd, its containerd, and the containerd shims of our containers with what they
-          reaped (runc and the exec'd processes): the daemon's side of every call
-  machine all CPU of the machine (/proc/stat), other people's jobs included: a noisy upper bound
+  runner     this process and its children (a docker CLI process per call, if the tree runs one)
+  daemons    dockerd and its containerd
+  containers the containerd shims of our containers and every process under them, live or reaped:
+             runc, each exec's processes, the command loop and its commands, PID 1
+  machine    all CPU of the machine (/proc/stat), other people's jobs included: a noisy upper bound
 
     DOCKER_HOST=unix:///tmp/trajgen-ci-dockerd/docker.sock python bench/docker_exec.py
     git archive 6d9be41 | tar -x -C /tmp/before && python bench/docker_exec.py --tree=/tmp/before
@@ -39,7 +40,8 @@ def proc_cpu(pid):
         return 0.0
     return sum(int(x) for x in f[11:15]) / TICK  # utime stime cutime cstime
 
-def shims(ids):
+def shim_trees(ids):
+    """Our containers' shims and their live children (PID 1, a running command loop)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -48,7 +50,7 @@ def shims(ids):
             except OSError:
                 continue
             if b"-id" in args and args[args.index(b"-id") + 1].decode() in ids:
-                found.append(int(entry))
+                found += [int(entry), *map(int, open(f"/proc/{entry}/task/{entry}/children").read().split())]
     return found
 
 def machine():
@@ -59,8 +61,8 @@ async def main():
     boxes = [open_sandbox(config, f"b{i}", image, None) for i in range(conc)]
     for box in boxes:
         assert (await box.run("true", 60)).exit_code == 0
-    pids = engine + shims({box._id for box in boxes})
-    e0, m0, t0 = sum(map(proc_cpu, pids)), machine(), time.perf_counter()
+    trees = shim_trees({box._id for box in boxes})
+    d0, c0, m0, t0 = sum(map(proc_cpu, engine)), sum(map(proc_cpu, trees)), machine(), time.perf_counter()
     r0 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 
     async def share(box, n):
@@ -70,12 +72,13 @@ async def main():
                 raise SystemExit(f"command failed: {r}")
     await asyncio.gather(*(share(box, len(range(i, total, conc))) for i, box in enumerate(boxes)))
     r1 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    e1, m1, t1 = sum(map(proc_cpu, pids)), machine(), time.perf_counter()
+    d1, c1, m1, t1 = sum(map(proc_cpu, engine)), sum(map(proc_cpu, trees)), machine(), time.perf_counter()
     for box in boxes:
         await box.close()
     cleanup(config)
     runner = sum((b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime) for a, b in zip(r0, r1))
-    print(json.dumps({"runner_ms": 1000 * runner / total, "engine_ms": 1000 * (e1 - e0) / total,
+    print(json.dumps({"runner_ms": 1000 * runner / total, "daemons_ms": 1000 * (d1 - d0) / total,
+                      "containers_ms": 1000 * (c1 - c0) / total,
                       "machine_ms": 1000 * (m1 - m0) / total, "wall_ms": 1000 * (t1 - t0) / total}))
 
 asyncio.run(main())
@@ -118,10 +121,11 @@ def main() -> None:
             print(json.dumps({"concurrency": conc, **run}), flush=True)
             runs.setdefault(conc, []).append(run)
     print(f"medians of {args.repeats}, ms per command ({args.tree})")
-    print("concurrency  runner  engine  runner+engine  machine  wall")
+    print("concurrency  runner  daemons  containers  total  machine  wall")
     for conc, rs in runs.items():
         m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        print(f"{conc:11d}  {m['runner_ms']:6.1f}  {m['engine_ms']:6.1f}  {m['runner_ms'] + m['engine_ms']:13.1f}  "
+        total = statistics.median(r["runner_ms"] + r["daemons_ms"] + r["containers_ms"] for r in rs)
+        print(f"{conc:11d}  {m['runner_ms']:6.1f}  {m['daemons_ms']:7.1f}  {m['containers_ms']:10.1f}  {total:5.1f}  "
               f"{m['machine_ms']:7.1f}  {m['wall_ms']:4.0f}")
 
 

@@ -140,16 +140,20 @@ def test_an_image_with_bash_runs_a_prompts_commands_through_one_exec(config, bas
         first = await sandbox.run("touch /tmp/left; cat note.txt; echo loop=$PPID", 30)
         execs = inspect(sandbox._id, "{{len .ExecIDs}}")
         later = [await sandbox.run(f"ls -A /tmp; echo {i} >> note.txt; echo loop=$PPID", 30) for i in range(3)]
-        return first, execs, later, inspect(sandbox._id, "{{len .ExecIDs}}"), await read_file(sandbox, "note.txt", 1 << 20)
+        users = await sandbox.run("ps -o user", 30)
+        return first, execs, later, inspect(sandbox._id, "{{len .ExecIDs}}"), await read_file(sandbox, "note.txt", 1 << 20), users
 
     try:
-        first, execs, later, execs_after, note = arun(session())
+        first, execs, later, execs_after, note, users = arun(session())
     finally:
         arun(sandbox.close())
     assert first.output.startswith("from the host\nloop=") and first.exit_code == 0
     assert [r.output for r in later] == [first.output.split("\n", 1)[1]] * 3  # /tmp empty, the same loop each time
     assert execs == execs_after == "1"  # between commands, the loop is the container's one exec
     assert note == b"from the host\n0\n1\n2\n"
+    # PID 1 is the one process of another user: with a second, `kill -9 -1` would report success
+    # forever and the loop would spin on its wait for every killed process to be gone
+    assert users.output.split()[1:].count("root") == 1
 
 
 def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_command_works(config, bash_image):

@@ -4,7 +4,7 @@ The container is the boundary: no network unless asked; CPU, memory and process 
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
 65534 unless `docker_root`; a session label so `cleanup` can find every container an invocation
 (or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
-with -9 left. PID 1 is a tiny root shell loop that reaps orphans and survives `kill -9 -1`,
+with -9 left. PID 1 is a tiny root shell that reaps orphans and survives `kill -9 -1`,
 which is how every terminal call ends, on time or not, together with everything it started,
 setsid or not: nothing a call starts outlives it. In an image with bash, a prompt's commands go
 through one exec running the command loop (supervise.sh, as the local backend runs it), which
@@ -26,7 +26,11 @@ from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
 PULL_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # container create / start / rm, image inspect
-REAPER = "while :; do sleep 2147483647 & wait; done"
+# PID 1: waits, with no child of its own, on a FIFO nobody else may open, and reaps each orphan as it dies
+# (SIGCHLD breaks the wait). A child (a `sleep`) would be a process the commands' user cannot signal, and
+# `kill -9 -1` counts those as success: the command loop's wait for every killed process would never end.
+REAPER = ("trap : CHLD; if mkfifo -m 600 /dev/.trajgen-reaper; then while :; do wait; read _ < /dev/.trajgen-reaper; "
+          "done; fi 2>/dev/null; while :; do sleep 2147483647 & wait; done")
 PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 # the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
 ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
