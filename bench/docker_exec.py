@@ -40,8 +40,7 @@ def proc_cpu(pid):
         return 0.0
     return sum(int(x) for x in f[11:15]) / TICK  # utime stime cutime cstime
 
-def shim_trees(ids):
-    """Our containers' shims and their live children (PID 1, a running command loop)."""
+def shim_trees(ids):  # our containers' shims and their live children (PID 1, a running command loop)
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
+from trajgen.sandbox.docker_api import Endpoint, endpoint
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -174,3 +175,28 @@ def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_comma
     assert lost.exit_code is None and "stopped unexpectedly" in lost.error
     for ps in (after, after_lost):
         assert "sleep 425" not in ps.output and ps.exit_code == 0
+
+
+def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config, busybox_image, docker_engine,
+                                                                          tmp_path, monkeypatch):
+    """ssh://, TLS and contexts go through `docker system dial-stdio`: the same API calls over its pipes."""
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    subprocess.run(["docker", "context", "create", "trajgen-test", "--docker", f"host={docker_engine}"],
+                   check=True, capture_output=True)
+    monkeypatch.delenv("DOCKER_HOST")
+    monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-test")
+    assert endpoint() == Endpoint("docker context trajgen-test")  # neither a socket nor plain TCP
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+
+    async def session():
+        await sandbox.write_file("x.txt", b"through the context\n")
+        shown = await sandbox.run("cat x.txt; echo to-stderr >&2; exit 3", 30)
+        await sandbox.close()
+        return shown
+
+    shown = arun(session())
+    assert (shown.output, shown.exit_code) == ("through the context\nto-stderr\n", 3)
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:2375")
+    assert endpoint().tcp == ("127.0.0.1", 2375)
+    monkeypatch.setenv("DOCKER_TLS_VERIFY", "1")
+    assert endpoint() == Endpoint("tcp://127.0.0.1:2375")

@@ -11,13 +11,14 @@ zero bytes, big-endian length) and the bytes. Every failure is one SandboxError 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 from urllib.parse import quote
 
 from trajgen.sandbox import SandboxError
@@ -27,6 +28,7 @@ STDOUT, STDERR = 1, 2
 HEADER = struct.Struct(">BxxxL")
 EXITED_WAIT = 10.0  # seconds an exec may still be reported running once its output has ended
 MESSAGE_CAP = 300  # characters of a daemon's error message we repeat
+DIAL_EXIT_WAIT = 5.0  # seconds for `docker system dial-stdio` to exit (and say why) once its stream has ended
 
 
 class EngineError(SandboxError):
@@ -46,29 +48,29 @@ class Endpoint:
     tcp: tuple[str, int] | None = None  # neither: through `docker system dial-stdio`
 
 
-def endpoint(env: Mapping[str, str] = os.environ) -> Endpoint:
-    host = env.get("DOCKER_HOST", "")
-    if not host and _context(env) in ("", "default"):
+def endpoint() -> Endpoint:
+    env = os.environ
+    return _endpoint(env.get("DOCKER_HOST", ""), env.get("DOCKER_CONTEXT", ""),
+                     bool(env.get("DOCKER_TLS_VERIFY") or env.get("DOCKER_TLS")),
+                     env.get("DOCKER_CONFIG") or os.path.join(env.get("HOME", "/"), ".docker"))
+
+
+@functools.cache
+def _endpoint(host: str, context: str, tls: bool, config_dir: str) -> Endpoint:
+    if not host and not context:  # the CLI configuration's current context, if one was chosen
+        try:
+            context = str(json.loads(Path(config_dir, "config.json").read_text()).get("currentContext") or "")
+        except (OSError, ValueError, AttributeError):
+            pass
+    if not host and context in ("", "default"):
         host = DEFAULT_HOST
-    tls = env.get("DOCKER_TLS_VERIFY") or env.get("DOCKER_TLS")
     if host.startswith("unix://"):
         return Endpoint(host, unix=host.removeprefix("unix://"))
     if host.startswith("tcp://") and not tls:
         name, _, port = host.removeprefix("tcp://").partition("/")[0].rpartition(":")
         if name and port.isdigit():
             return Endpoint(host, tcp=(name.strip("[]"), int(port)))
-    return Endpoint(host or f"docker context {_context(env)}")
-
-
-def _context(env: Mapping[str, str]) -> str:
-    """The docker context in use: DOCKER_CONTEXT, else the CLI configuration's current one."""
-    if name := env.get("DOCKER_CONTEXT"):
-        return name
-    config = Path(env.get("DOCKER_CONFIG") or Path(env.get("HOME", "/")) / ".docker") / "config.json"
-    try:
-        return str(json.loads(config.read_text()).get("currentContext") or "")
-    except (OSError, ValueError, AttributeError):
-        return ""
+    return Endpoint(host or f"docker context {context}")
 
 
 class _Connection:
@@ -87,7 +89,10 @@ class _Connection:
         """Why the daemon's end closed: dial-stdio's last error line if it said one."""
         why = "it closed the connection"
         if self._proc is not None:
-            await self._proc.wait()
+            try:
+                await asyncio.wait_for(self._proc.wait(), DIAL_EXIT_WAIT)
+            except TimeoutError:
+                self._proc.kill()
             lines = (await self._proc.stderr.read()).decode("utf-8", "replace").strip().splitlines()
             why = lines[-1] if lines else why
         return SandboxError(f"cannot talk to the Docker engine at {where.shown}: {why}")
