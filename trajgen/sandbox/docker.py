@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
@@ -67,24 +68,20 @@ class DockerSandbox:
 
     async def _runs_loop(self, cid: str) -> bool:
         if self.image not in _loop_images:
-            try:
-                async with asyncio.timeout(CONTROL_TIMEOUT):
-                    _loop_images[self.image] = await run_exec(cid, self._user, HAS_BASH, lambda *_: None) == 0
-            except (SandboxError, TimeoutError) as e:
-                raise SandboxError(f"cannot look into image {self.image}: {_reason(e)}") from None
+            async with _control(f"cannot look into image {self.image}"):
+                _loop_images[self.image] = await run_exec(cid, self._user, HAS_BASH, lambda *_: None) == 0
         return _loop_images[self.image]
 
     async def _open_loop(self) -> Channel:
         """The command loop as one exec over the container's work dir, talking on that exec's stdin and stdout."""
         cid = await self._container()
-        async with asyncio.timeout(CONTROL_TIMEOUT):
+        async with _control("cannot start the command loop"):
             loop = await start_exec(cid, self._user, LOOP_ARGV, stdin=True)
 
         async def kill() -> None:
             try:
                 if self._id == cid:  # a removed container has nothing left to kill
-                    async with asyncio.timeout(CONTROL_TIMEOUT):
-                        await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
+                    await self._kill_all(cid)
             finally:
                 loop.close()
 
@@ -108,22 +105,21 @@ class DockerSandbox:
         }
 
     async def _start(self) -> str:
-        try:
-            async with asyncio.timeout(CONTROL_TIMEOUT):
-                cid = (await call("POST", "/containers/create", self._spec()))["Id"]
-                await call("POST", f"/containers/{cid}/start")
-        except (SandboxError, TimeoutError) as e:
-            raise SandboxError(f"cannot start a container from image {self.image}: {_reason(e)}") from None
+        async with _control(f"cannot start a container from image {self.image}"):
+            cid = (await call("POST", "/containers/create", self._spec()))["Id"]
+            await call("POST", f"/containers/{cid}/start")
         if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
             output = Capture()
-            try:
-                async with asyncio.timeout(CONTROL_TIMEOUT):
-                    code = await run_exec(cid, "0", ["chown", USER, self.cwd], lambda _, data: output.add(data))
-            except (SandboxError, TimeoutError) as e:
-                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {_reason(e)}") from None
+            async with _control(f"cannot prepare {self.cwd} in image {self.image}"):
+                code = await run_exec(cid, "0", ["chown", USER, self.cwd], lambda _, data: output.add(data))
             if code != 0:
                 raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(output.text())}")
         return cid
+
+    async def _kill_all(self, cid: str) -> None:
+        """End every process of the commands' user (every process but PID 1 under docker_root)."""
+        async with _control("cannot stop the command"):
+            await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
 
     @property
     def _user(self) -> str:
@@ -138,8 +134,7 @@ class DockerSandbox:
             async with asyncio.timeout(timeout):
                 code = await run_exec(cid, self._user, ["sh", "-c", MERGED, "sh", command], lambda _, data: output.add(data))
         except TimeoutError:  # the command runs on inside without our connection: kill all it left
-            async with asyncio.timeout(CONTROL_TIMEOUT):
-                await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
+            await self._kill_all(cid)
             return ExecResult(output.text(), None, f"timed out after {timeout:g} s; the command and its children were killed")
         if code is None:
             return ExecResult(output.text(), None, "the Docker engine did not report the command's exit status")
@@ -182,17 +177,25 @@ class DockerSandbox:
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
             try:
-                async with asyncio.timeout(CONTROL_TIMEOUT):
+                async with _control("cannot remove the container"):
                     await call("DELETE", f"/containers/{self._id}", force="1")
-            except EngineError:  # already gone
+            except SandboxError:  # gone already, or left to the run's cleanup, which removes by label
                 pass
             self._id = None
         if self._loop is not None:  # a kept container's loop is killed; a removed one's connection closed
             await self._loop.stop()
 
 
-def _reason(error: SandboxError | TimeoutError) -> str:
-    return str(error) if isinstance(error, SandboxError) else f"the Docker engine did not answer within {CONTROL_TIMEOUT:g} s"
+@asynccontextmanager
+async def _control(what: str) -> AsyncIterator[None]:
+    """A call to the engine bounded by CONTROL_TIMEOUT; its failure one SandboxError line that starts with `what`."""
+    try:
+        async with asyncio.timeout(CONTROL_TIMEOUT):
+            yield
+    except SandboxError as e:
+        raise SandboxError(f"{what}: {e}") from None
+    except TimeoutError:
+        raise SandboxError(f"{what}: the Docker engine did not answer within {CONTROL_TIMEOUT:g} s") from None
 
 
 def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> DockerSandbox:
@@ -202,14 +205,13 @@ def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | N
 async def check_image(image: str, config: SandboxConfig) -> str | None:
     """None if the image is local or could be pulled (by the CLI: registry logins live there), else a one-line reason."""
     try:
-        async with asyncio.timeout(CONTROL_TIMEOUT):
-            await call("GET", f"/images/{image}/json")
-        return None
-    except EngineError as e:
-        if e.status != 404:
-            return f"cannot inspect image {image}: {e}"
-    except TimeoutError:
-        return f"cannot inspect image {image}: the Docker engine did not answer within {CONTROL_TIMEOUT:g} s"
+        async with _control(f"cannot inspect image {image}"):
+            try:
+                await call("GET", f"/images/{image}/json")
+                return None
+            except EngineError as e:
+                if e.status != 404:
+                    raise
     except SandboxError as e:
         return str(e)
     try:
