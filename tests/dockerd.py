@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 IMAGE = "trajgen-test-busybox:latest"
+BASH_IMAGE = "trajgen-test-bash:latest"
 BUSYBOX = "/usr/bin/busybox"  # from busybox-static: no shared libraries needed inside the image
+LOOP_TOOLS = ("bash",)  # what a prompt's command loop needs beyond busybox
 
 
 def _answers(host: str) -> bool:
@@ -104,18 +106,44 @@ def _busybox_rootfs(root: Path) -> None:
     (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
 
 
-@pytest.fixture(scope="session")
-def busybox_image(docker_engine: str) -> str:
-    """The tag of a tiny busybox image (sh, no bash, no python), imported into the engine once."""
-    if subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True).returncode == 0:
-        return IMAGE
+def _host_tools(root: Path) -> None:
+    """The host's bash under usr/bin (ahead of busybox on PATH), with its libraries."""
+    for tool in LOOP_TOOLS:
+        binary = shutil.which(tool)
+        if binary is None:
+            pytest.skip(f"{tool} is not installed")
+        linked = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+        libraries = [word for word in linked.split() if word.startswith("/")]
+        for path in (f"/usr/bin/{tool}", *libraries):
+            target = root / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(binary if path.startswith("/usr/bin/") else path, target)
+
+
+def _import_image(tag: str, *layouts) -> str:
+    """`tag`, imported once from a rootfs that each of `layouts` fills in turn."""
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode == 0:
+        return tag
     if not os.path.exists(BUSYBOX):
         pytest.skip(f"{BUSYBOX} is missing (install busybox-static)")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "rootfs"
         root.mkdir()
-        _busybox_rootfs(root)
+        for layout in layouts:
+            layout(root)
         with tarfile.open(Path(tmp) / "rootfs.tar", "w") as tar:
             tar.add(root, arcname=".")
-        subprocess.run(["docker", "import", str(Path(tmp) / "rootfs.tar"), IMAGE], capture_output=True, check=True)
-    return IMAGE
+        subprocess.run(["docker", "import", str(Path(tmp) / "rootfs.tar"), tag], capture_output=True, check=True)
+    return tag
+
+
+@pytest.fixture(scope="session")
+def busybox_image(docker_engine: str) -> str:
+    """The tag of a tiny busybox image (sh, no bash, no python), imported into the engine once."""
+    return _import_image(IMAGE, _busybox_rootfs)
+
+
+@pytest.fixture(scope="session")
+def bash_image(docker_engine: str) -> str:
+    """The busybox image plus bash: an image the command loop can run in."""
+    return _import_image(BASH_IMAGE, _busybox_rootfs, _host_tools)

@@ -3,9 +3,11 @@ image failing only its prompts. Uses the private dockerd of tests/dockerd.py (no
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 
-from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.test_hardening import _wait_for
 
 pytest_plugins = ["tests.dockerd"]
@@ -67,3 +69,41 @@ def test_resume_removes_the_containers_a_killed_runner_left(cli, scripted_server
     assert done.returncode == 0, done.stderr
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
     assert containers("trajgen.run") == []
+
+
+def test_terminal_and_file_calls_start_no_docker_process(cli, scripted_server, docker_engine, busybox_image,
+                                                        bash_image):
+    """Every call is an exec through the Engine API, one per call (busybox) or one loop per prompt (bash):
+    a `docker` on PATH that logs itself sees only the run's reaping."""
+    log = cli.cwd / "docker-calls.log"
+    wrapper = cli.cwd / "bin" / "docker"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec {shutil.which("docker")} "$@"\n')
+    wrapper.chmod(0o755)
+    server = scripted_server({"default": [
+        call("write_file", path="n.txt", content="one\n"),
+        call("terminal", command="echo two >> n.txt; echo to-stderr >&2; echo to-stdout"),
+        call("terminal", command="cat n.txt"),
+        call("read_file", path="n.txt"),
+        think("done"),
+    ]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "sh", "image": busybox_image}, {"prompt": "bash", "image": bash_image}])
+    done = cli.run(*cli.args(server, terminal_backend="docker"),
+                   env={"DOCKER_HOST": docker_engine, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    for row in read_jsonl(cli.run_dir() / "trajectories.jsonl"):
+        wrote, merged, shown, read = tool_outputs(row)
+        assert merged["output"] == "to-stderr\nto-stdout\n" and shown["output"] == "one\ntwo\n"
+        assert "one\n" in read["content"] and wrote["success"]
+    calls = log.read_text().splitlines()
+    assert calls and all(line.startswith("ps -aq --filter label=trajgen.") for line in calls), calls  # the run's reaping
+
+
+def test_an_engine_that_is_not_there_is_one_clear_line(cli, scripted_server, busybox_image, tmp_path):
+    socket = tmp_path / "no-engine.sock"
+    server = scripted_server({"default": [call("terminal", command="true"), think("done")]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
+    done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": f"unix://{socket}"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"cannot reach the Docker engine at unix://{socket}: No such file or directory" in done.stderr
+    assert server.requests() == []  # nothing was paid for

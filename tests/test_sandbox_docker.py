@@ -7,8 +7,10 @@ import time
 
 import pytest
 
+from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
+from trajgen.sandbox.docker_api import Endpoint, endpoint
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -128,3 +130,73 @@ def test_cleanup_removes_only_this_sessions_containers(config, busybox_image, tm
     assert len(containers(other.label)) == 1
     cleanup(other)
     assert containers(other.label) == []
+
+
+def test_an_image_with_bash_runs_a_prompts_commands_through_one_exec(config, bash_image):
+    """One command loop per prompt: later commands start no exec of their own, and find /tmp empty as local does."""
+    sandbox = open_sandbox(config, "p1", bash_image, None)
+
+    async def session():
+        await sandbox.write_file("note.txt", b"from the host\n")
+        first = await sandbox.run("touch /tmp/left; cat note.txt; echo loop=$PPID", 30)
+        execs = inspect(sandbox._id, "{{len .ExecIDs}}")
+        later = [await sandbox.run(f"ls -A /tmp; echo {i} >> note.txt; echo loop=$PPID", 30) for i in range(3)]
+        users = await sandbox.run("ps -o user", 30)
+        return first, execs, later, inspect(sandbox._id, "{{len .ExecIDs}}"), await read_file(sandbox, "note.txt", 1 << 20), users
+
+    try:
+        first, execs, later, execs_after, note, users = arun(session())
+    finally:
+        arun(sandbox.close())
+    assert first.output.startswith("from the host\nloop=") and first.exit_code == 0
+    assert [r.output for r in later] == [first.output.split("\n", 1)[1]] * 3  # /tmp empty, the same loop each time
+    assert execs == execs_after == "1"  # between commands, the loop is the container's one exec
+    assert note == b"from the host\n0\n1\n2\n"
+    # PID 1 is the one process of another user: with a second, `kill -9 -1` would report success
+    # forever and the loop would spin on its wait for every killed process to be gone
+    assert users.output.split()[1:].count("root") == 1
+
+
+def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_command_works(config, bash_image):
+    sandbox = open_sandbox(config, "p1", bash_image, None)
+
+    async def session():
+        timed_out = await sandbox.run("setsid sleep 4251 & (sleep 4252 &); echo begun; sleep 4253", 2)
+        after = await sandbox.run("ps -o args", 30)
+        lost = await sandbox.run("setsid sleep 4254 & kill -9 $PPID; sleep 4255", 30)
+        return timed_out, after, lost, await sandbox.run("ps -o args", 30)
+
+    try:
+        timed_out, after, lost, after_lost = arun(session())
+    finally:
+        arun(sandbox.close())
+    assert timed_out.exit_code is None and timed_out.error.startswith("timed out after 2 s")
+    assert timed_out.output == "begun\n"
+    assert lost.exit_code is None and "stopped unexpectedly" in lost.error
+    for ps in (after, after_lost):
+        assert "sleep 425" not in ps.output and ps.exit_code == 0
+
+
+def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config, busybox_image, docker_engine,
+                                                                          tmp_path, monkeypatch):
+    """ssh://, TLS and contexts go through `docker system dial-stdio`: the same API calls over its pipes."""
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    subprocess.run(["docker", "context", "create", "trajgen-test", "--docker", f"host={docker_engine}"],
+                   check=True, capture_output=True)
+    monkeypatch.delenv("DOCKER_HOST")
+    monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-test")
+    assert endpoint() == Endpoint("docker context trajgen-test")  # neither a socket nor plain TCP
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+
+    async def session():
+        await sandbox.write_file("x.txt", b"through the context\n")
+        shown = await sandbox.run("cat x.txt; echo to-stderr >&2; exit 3", 30)
+        await sandbox.close()
+        return shown
+
+    shown = arun(session())
+    assert (shown.output, shown.exit_code) == ("through the context\nto-stderr\n", 3)
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:2375")
+    assert endpoint().tcp == ("127.0.0.1", 2375)
+    monkeypatch.setenv("DOCKER_TLS_VERIFY", "1")
+    assert endpoint() == Endpoint("tcp://127.0.0.1:2375")

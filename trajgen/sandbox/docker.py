@@ -1,43 +1,49 @@
-"""The `docker` backend: one container per prompt, driven through the `docker` CLI.
+"""The `docker` backend: one container per prompt, driven through the Docker Engine API (docker_api.py).
 
 The container is the boundary: no network unless asked; CPU, memory and process limits; every
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
 65534 unless `docker_root`; a session label so `cleanup` can find every container an invocation
 (or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
-with -9 left. PID 1 is a tiny root shell loop that prepares the work dir, reaps orphans
-and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together with
-everything it started, setsid or not: nothing a call starts outlives it.
+with -9 left. PID 1 is a tiny root shell that reaps orphans and survives `kill -9 -1`,
+which is how every terminal call ends, on time or not, together with everything it started,
+setsid or not: nothing a call starts outlives it. In an image with bash, a prompt's commands go
+through one exec running the command loop (supervise.sh, as the local backend runs it), which
+empties /tmp after each; a timeout or a lost loop kills every process of the commands' user (PID 1
+and the files stay) and the next command starts a new loop. Other images get one exec per call.
+Every call is an exec through the Engine API, no `docker` process of its own; only pulls and the
+synchronous reaping run the CLI.
 """
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
+from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
+from trajgen.sandbox.docker_api import STDOUT, EngineError, call, docker_env, run_exec, start_exec
+from trajgen.sandbox.process import Capture, last_line, run_cli
+from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
 PULL_TIMEOUT = 900.0
-CONTROL_TIMEOUT = 120.0  # docker run / rm / inspect
-REAPER = "while :; do sleep 2147483647 & wait; done"
+CONTROL_TIMEOUT = 120.0  # container create / start / rm, image inspect
+# PID 1: waits, with no child of its own, on a FIFO nobody else may open, and reaps each orphan as it dies
+# (SIGCHLD breaks the wait). A child (a `sleep`) would be a process the commands' user cannot signal, and
+# `kill -9 -1` counts those as success: the command loop's wait for every killed process would never end.
+REAPER = ("trap : CHLD; if mkfifo -m 600 /dev/.trajgen-reaper; then while :; do wait; read _ < /dev/.trajgen-reaper; "
+          "done; fi 2>/dev/null; while :; do sleep 2147483647 & wait; done")
 PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 # the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
 ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
+MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
+KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the caller may signal, but itself
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
+HAS_BASH = ("sh", "-c", "command -v bash >/dev/null")  # what the command loop needs of an image
 USER = "65534:65534"
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
 
-
-def docker_env() -> dict[str, str]:
-    """What the docker CLI needs (DOCKER_HOST, its config), and none of the runner's other variables."""
-    return {k: v for k, v in os.environ.items() if k.startswith("DOCKER_") or k in ("PATH", "HOME")}
-
-
-async def _docker(*args: str, timeout: float, stdin: bytes | None = None) -> tuple[int | None, bytes, str]:
-    """Run one docker CLI command: (exit code or None on timeout, stdout, stderr's text)."""
-    return await run_cli(["docker", *args], docker_env(), timeout, stdin)
+_loop_images: dict[str, bool] = {}  # image -> whether it can run the command loop; asked once per process
 
 
 class DockerSandbox:
@@ -50,68 +56,146 @@ class DockerSandbox:
         self.cwd = cwd
         self._id: str | None = None
         self._lock = asyncio.Lock()
+        self._loop: Supervisor | None = None  # set at the container's start if the image has bash
 
     async def _container(self) -> str:
         async with self._lock:
             if self._id is None:
                 self._id = await self._start()
+                if await self._runs_loop(self._id):
+                    self._loop = Supervisor(self._open_loop)
         return self._id
 
-    async def _start(self) -> str:
+    async def _runs_loop(self, cid: str) -> bool:
+        if self.image not in _loop_images:
+            async with _control(f"cannot look into image {self.image}"):
+                _loop_images[self.image] = await run_exec(cid, self._user, HAS_BASH, lambda *_: None) == 0
+        return _loop_images[self.image]
+
+    async def _open_loop(self) -> Channel:
+        """The command loop as one exec over the container's work dir, talking on that exec's stdin and stdout."""
+        cid = await self._container()
+        async with _control("cannot start the command loop"):
+            loop = await start_exec(cid, self._user, LOOP_ARGV, stdin=True)
+
+        async def kill() -> None:
+            try:
+                if self._id == cid:  # a removed container has nothing left to kill
+                    await self._kill_all(cid)
+            finally:
+                loop.close()
+
+        return Channel(loop, loop.writer, kill)
+
+    def _spec(self) -> dict:
+        """What `docker run` would send for the container: the limits and labels above."""
         c = self.config
-        code, out, err = await _docker(
-            "run", "-d", "--pull", "never", *([] if c.network else ["--network", "none"]),
-            "--cpus", f"{c.cpus:g}", "--memory", f"{c.memory_mb}m", "--memory-swap", f"{c.memory_mb}m",
-            "--pids-limit", str(c.max_processes), "--ulimit", f"cpu={c.cpu_seconds}",
-            "--ulimit", f"fsize={c.file_size_mb << 20}", "--cap-drop", "ALL",
-            *(f"--cap-add={cap}" for cap in SHELL_CAPS), "--security-opt", "no-new-privileges",
-            "--tmpfs", f"/tmp:size={c.disk_mb}m,mode=1777",
-            "--label", f"trajgen.session={c.label}", "--label", f"trajgen.run={c.run_id}",
-            "--label", f"trajgen.key={self.key}",
-            "-e", "LANG=C.UTF-8", "-e", "TERM=dumb", "-e", "PYTHONUNBUFFERED=1",
-            "-w", self.cwd, "--entrypoint", "sh", self.image, "-c", REAPER,
-            timeout=CONTROL_TIMEOUT,
-        )
-        if code != 0:
-            raise SandboxError(f"cannot start a container from image {self.image}: {last_line(err)}")
-        cid = out.decode().strip()
-        if not c.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
-            code, _, err = await _docker("exec", "-u", "0", cid, "chown", USER, self.cwd, timeout=CONTROL_TIMEOUT)
+        return {
+            "Image": self.image, "Entrypoint": ["sh"], "Cmd": ["-c", REAPER], "WorkingDir": self.cwd,
+            "Env": ["LANG=C.UTF-8", "TERM=dumb", "PYTHONUNBUFFERED=1"],
+            "Labels": {"trajgen.session": c.label, "trajgen.run": c.run_id, "trajgen.key": self.key},
+            "HostConfig": {
+                "NetworkMode": "default" if c.network else "none", "NanoCpus": round(c.cpus * 1e9),
+                "Memory": c.memory_mb << 20, "MemorySwap": c.memory_mb << 20, "PidsLimit": c.max_processes,
+                "Ulimits": [{"Name": "cpu", "Soft": c.cpu_seconds, "Hard": c.cpu_seconds},
+                            {"Name": "fsize", "Soft": c.file_size_mb << 20, "Hard": c.file_size_mb << 20}],
+                "CapDrop": ["ALL"], "CapAdd": list(SHELL_CAPS), "SecurityOpt": ["no-new-privileges"],
+                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"},
+            },
+        }
+
+    async def _start(self) -> str:
+        async with _control(f"cannot start a container from image {self.image}"):
+            cid = (await call("POST", "/containers/create", self._spec()))["Id"]
+            await call("POST", f"/containers/{cid}/start")
+        if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
+            output = Capture()
+            async with _control(f"cannot prepare {self.cwd} in image {self.image}"):
+                code = await run_exec(cid, "0", ["chown", USER, self.cwd], lambda _, data: output.add(data))
             if code != 0:
-                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(err)}")
+                raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(output.text())}")
         return cid
 
+    async def _kill_all(self, cid: str) -> None:
+        """End every process of the commands' user (every process but PID 1 under docker_root)."""
+        async with _control("cannot stop the command"):
+            await run_exec(cid, self._user, KILL_ALL, lambda *_: None)
+
     @property
-    def _user(self) -> list[str]:
-        return ["-u", "0" if self.config.docker_root else USER]
+    def _user(self) -> str:
+        return "0" if self.config.docker_root else USER
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
-
-        async def kill_all() -> None:  # killing the docker CLI leaves the command running inside
-            await _docker("exec", *self._user, cid, "sh", "-c", "kill -9 -1", timeout=CONTROL_TIMEOUT)
-
-        argv = ["docker", "exec", *self._user, cid, "sh", "-c", ONE_CALL, "sh", command]
-        return await run_process(argv, timeout, docker_env(), on_timeout=kill_all)
+        if self._loop is not None:
+            return await self._loop.run(command, timeout)
+        output = Capture()
+        try:
+            async with asyncio.timeout(timeout):
+                code = await run_exec(cid, self._user, ["sh", "-c", MERGED, "sh", command], lambda _, data: output.add(data))
+        except TimeoutError:  # the command runs on inside without our connection: kill all it left
+            await self._kill_all(cid)
+            return ExecResult(output.text(), None, f"timed out after {timeout:g} s; the command and its children were killed")
+        if code is None:
+            return ExecResult(output.text(), None, "the Docker engine did not report the command's exit status")
+        return ExecResult(output.text(), code)
 
     async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
         cid = await self._container()
-        argv = ["docker", "exec", *self._user, cid, "sh", "-c", READ, "sh", path]
-        async for chunk in stream_stdout(argv, docker_env(), self.config.command_timeout, path):
-            yield chunk
+        errors = Capture()
+        timeout = self.config.command_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                ex = await start_exec(cid, self._user, ["sh", "-c", READ, "sh", path])
+                try:
+                    async for stream, data in ex.frames():
+                        if stream == STDOUT:
+                            yield data
+                        else:
+                            errors.add(data)
+                    code = await ex.exit_code()
+                finally:
+                    ex.close()
+        except TimeoutError:
+            raise SandboxError(f"cannot read {path}: no end within {timeout:g} s") from None
+        if code != 0:
+            raise SandboxError(f"cannot read {path}: {last_line(errors.text())}")
 
     async def write_file(self, path: str, data: bytes) -> None:
         cid = await self._container()
-        code, _, err = await _docker(
-            "exec", "-i", *self._user, cid, "sh", "-c", WRITE, "sh", path, stdin=data, timeout=self.config.command_timeout
-        )
+        errors = Capture()
+        timeout = self.config.command_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                code = await run_exec(cid, self._user, ["sh", "-c", WRITE, "sh", path],
+                                      lambda _, chunk: errors.add(chunk), stdin=data)
+        except TimeoutError:
+            raise SandboxError(f"cannot write {path}: no end within {timeout:g} s") from None
         if code != 0:
-            raise SandboxError(f"cannot write {path}: {last_line(err)}")
+            raise SandboxError(f"cannot write {path}: {last_line(errors.text())}")
 
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
-            await _docker("rm", "-f", self._id, timeout=CONTROL_TIMEOUT)
+            try:
+                async with _control("cannot remove the container"):
+                    await call("DELETE", f"/containers/{self._id}", force="1")
+            except SandboxError:  # gone already, or left to the run's cleanup, which removes by label
+                pass
             self._id = None
+        if self._loop is not None:  # a kept container's loop is killed; a removed one's connection closed
+            await self._loop.stop()
+
+
+@asynccontextmanager
+async def _control(what: str) -> AsyncIterator[None]:
+    """A call to the engine bounded by CONTROL_TIMEOUT; its failure one SandboxError line that starts with `what`."""
+    try:
+        async with asyncio.timeout(CONTROL_TIMEOUT):
+            yield
+    except SandboxError as e:
+        raise SandboxError(f"{what}: {e}") from None
+    except TimeoutError:
+        raise SandboxError(f"{what}: the Docker engine did not answer within {CONTROL_TIMEOUT:g} s") from None
 
 
 def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> DockerSandbox:
@@ -119,12 +203,19 @@ def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | N
 
 
 async def check_image(image: str, config: SandboxConfig) -> str | None:
-    """None if the image is local or could be pulled, else a one-line reason."""
+    """None if the image is local or could be pulled (by the CLI: registry logins live there), else a one-line reason."""
     try:
-        code, _, _ = await _docker("image", "inspect", image, timeout=CONTROL_TIMEOUT)
-        if code == 0:
-            return None
-        code, _, err = await _docker("pull", "--quiet", image, timeout=PULL_TIMEOUT)
+        async with _control(f"cannot inspect image {image}"):
+            try:
+                await call("GET", f"/images/{image}/json")
+                return None
+            except EngineError as e:
+                if e.status != 404:
+                    raise
+    except SandboxError as e:
+        return str(e)
+    try:
+        code, _, err = await run_cli(["docker", "pull", "--quiet", image], docker_env(), PULL_TIMEOUT)
     except SandboxError as e:
         return str(e)
     return None if code == 0 else f"image {image} is not available locally and pulling it failed: {last_line(err)}"

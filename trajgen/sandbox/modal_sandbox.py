@@ -21,12 +21,10 @@ from types import ModuleType
 from typing import AsyncIterator, Iterator
 
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.docker import ONE_CALL, READ, REAPER, WRITE
+from trajgen.sandbox.docker import KILL_ALL, MERGED, READ, REAPER, WRITE
 from trajgen.sandbox.process import Capture, last_line
 
 ENV = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
-MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
-KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")
 GRACE = 10  # seconds Modal lets a command run past our own timeout before killing it itself
 STDIN_CHUNK = 1 << 20
 
