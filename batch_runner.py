@@ -14,6 +14,7 @@ import sys
 from trajgen import options
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
+from trajgen.sandbox import BackendUnreachable
 
 # The rest is imported where it is used: every worker process re-imports this file (multiprocessing's
 # spawn), and the run's modules, rich and Fire would cost each of them half a second of CPU.
@@ -29,6 +30,9 @@ def main(**flag_values) -> None:
         sys.exit(2)
     except DiskFull as e:
         console.stopped(f"{e}. Every row already written is kept; free some space, then resume with:")
+        sys.exit(1)
+    except BackendUnreachable as e:  # found when the images were checked, before any prompt was sent
+        console.error(f"{e}; nothing was sent")
         sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
         console.error("interrupted")

@@ -105,5 +105,5 @@ def test_an_engine_that_is_not_there_is_one_clear_line(cli, scripted_server, bus
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
     done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": f"unix://{socket}"})
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert f"cannot reach the Docker engine at unix://{socket}: No such file or directory" in done.stderr
-    assert server.requests() == []  # nothing was paid for
+    assert f"error: cannot reach the Docker engine at unix://{socket}: No such file or directory; nothing was sent" in done.stderr
+    assert server.requests() == [] and not (cli.run_dir() / "failures.jsonl").exists()  # stopped before any prompt

@@ -108,13 +108,13 @@ def test_resume_terminates_the_sandboxes_a_killed_runner_left(cli, scripted_serv
     assert modal_standin.containers(RUN_TAG) == []
 
 
-def test_without_modal_credentials_each_image_fails_on_one_line(cli, scripted_server, modal_standin, busybox_image):
+def test_without_modal_credentials_the_run_stops_on_one_line(cli, scripted_server, modal_standin, busybox_image):
     server = scripted_server({"default": [think("done")]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
     cli.env.update(modal_standin.env)
     del cli.env["MODAL_TOKEN_ID"], cli.env["MODAL_TOKEN_SECRET"]  # the stand-in's address, and no token
     done = cli.run(*cli.args(server, terminal_backend="modal"))
     assert done.returncode == 1
-    assert f"image {busybox_image} is unavailable (Modal cannot build image {busybox_image}: AuthError: Token missing" in done.stderr
-    assert "Traceback" not in done.stderr
-    assert server.requests() == []
+    assert f"error: Modal cannot build image {busybox_image}: AuthError: Token missing" in done.stderr
+    assert "nothing was sent" in done.stderr and "Traceback" not in done.stderr
+    assert server.requests() == [] and not (cli.run_dir() / "failures.jsonl").exists()  # not a failed prompt: no run

@@ -25,6 +25,12 @@ class SandboxError(Exception):
     """The sandbox itself failed (could not start, image missing, path refused)."""
 
 
+class BackendUnreachable(SandboxError):
+    """The backend itself cannot be reached or refuses us (no engine, no credentials): the prompt's
+    sandbox fails like any other, but found before the run, when images are checked, it stops the
+    run at once instead of failing every prompt."""
+
+
 @dataclass(frozen=True)
 class SandboxConfig:
     """The run's sandbox settings: built once by the parent, pickled to every worker."""

@@ -20,7 +20,7 @@ import subprocess
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
+from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
 from trajgen.sandbox.docker_api import STDOUT, EngineError, call, docker_env, run_exec, start_exec
 from trajgen.sandbox.process import Capture, last_line, run_cli
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
@@ -192,6 +192,8 @@ async def _control(what: str) -> AsyncIterator[None]:
     try:
         async with asyncio.timeout(CONTROL_TIMEOUT):
             yield
+    except BackendUnreachable:  # says all by itself, and must stay what it is
+        raise
     except SandboxError as e:
         raise SandboxError(f"{what}: {e}") from None
     except TimeoutError:
@@ -212,6 +214,8 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
             except EngineError as e:
                 if e.status != 404:
                     raise
+    except BackendUnreachable:
+        raise
     except SandboxError as e:
         return str(e)
     try:

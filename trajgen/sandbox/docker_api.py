@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 from urllib.parse import quote
 
-from trajgen.sandbox import SandboxError
+from trajgen.sandbox import BackendUnreachable, SandboxError
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 STDOUT, STDERR = 1, 2
@@ -85,7 +85,7 @@ class _Connection:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
 
-    async def lost(self, where: Endpoint) -> SandboxError:
+    async def lost(self, where: Endpoint) -> BackendUnreachable:
         """Why the daemon's end closed: dial-stdio's last error line if it said one."""
         why = "it closed the connection"
         if self._proc is not None:
@@ -95,7 +95,7 @@ class _Connection:
                 self._proc.kill()
             lines = (await self._proc.stderr.read()).decode("utf-8", "replace").strip().splitlines()
             why = lines[-1] if lines else why
-        return SandboxError(f"cannot talk to the Docker engine at {where.shown}: {why}")
+        return BackendUnreachable(f"cannot talk to the Docker engine at {where.shown}: {why}")
 
 
 def docker_env() -> dict[str, str]:
@@ -110,14 +110,14 @@ async def _connect(where: Endpoint) -> _Connection:
         if where.tcp is not None:
             return _Connection(*await asyncio.open_connection(*where.tcp), None)
     except OSError as e:
-        raise SandboxError(f"cannot reach the Docker engine at {where.shown}: {e.strerror or e}") from None
+        raise BackendUnreachable(f"cannot reach the Docker engine at {where.shown}: {e.strerror or e}") from None
     try:
         proc = await asyncio.create_subprocess_exec(
             "docker", "system", "dial-stdio", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, env=docker_env(),
         )
     except OSError as e:
-        raise SandboxError(f"cannot run `docker system dial-stdio` to reach {where.shown}: {e.strerror or e}") from None
+        raise BackendUnreachable(f"cannot run `docker system dial-stdio` to reach {where.shown}: {e.strerror or e}") from None
     return _Connection(proc.stdout, proc.stdin, proc)
 
 

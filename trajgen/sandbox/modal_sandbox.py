@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import AsyncIterator, Iterator
 
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError
+from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
 from trajgen.sandbox.docker import KILL_ALL, MERGED, READ, REAPER, WRITE
 from trajgen.sandbox.process import Capture, last_line
 
@@ -33,7 +33,7 @@ def _sdk() -> ModuleType:
     try:
         import modal
     except ImportError:
-        raise SandboxError("the modal backend needs the modal SDK: pip install 'trajgen-batch-runner[modal]'") from None
+        raise BackendUnreachable("the modal backend needs the modal SDK: pip install 'trajgen-batch-runner[modal]'") from None
     return modal
 
 
@@ -56,10 +56,14 @@ def _line(error: BaseException) -> str:
 
 @contextmanager
 def _modal_errors(what: str) -> Iterator[None]:
-    """Modal's errors (auth, quota, not found, connection) as one SandboxError line, never a traceback."""
+    """Modal's errors (auth, quota, not found, connection) as one SandboxError line, never a traceback;
+    credentials refused or Modal out of reach as BackendUnreachable."""
+    modal = _sdk()
     try:
         yield
-    except _failures(_sdk()) as e:
+    except (modal.exception.AuthError, modal.exception.ConnectionError, OSError) as e:
+        raise BackendUnreachable(f"{what}: {_line(e)}") from None
+    except _failures(modal) as e:
         raise SandboxError(f"{what}: {_line(e)}") from None
 
 
@@ -196,6 +200,8 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
         modal = await _load_sdk()
         with _modal_errors(f"Modal cannot build image {image}"):
             await _image(modal, image).build.aio(await _app(modal, config))
+    except BackendUnreachable:
+        raise
     except SandboxError as e:
         return str(e)
     return None
