@@ -11,6 +11,9 @@ import pyarrow.parquet as pq
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from tests.test_hardening import _asked, _wait_for
 from tests.test_journal import _journaled, _landed
+from trajgen.viewer.index import RunIndex
+from trajgen.viewer.query import reason, status
+from trajgen.viewer.summary import read_filtering, summarize
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -92,6 +95,14 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
         "pass_at_k_prompts": {"1": 6, "2": 6, "3": 6},
     }
     assert "pass@2" in done.stdout and "61.1%" in done.stdout
+    # the viewer sorts the rows as the merge did, and says why a row was filtered
+    index = RunIndex(run_dir)
+    index.refresh()
+    seen = summarize(index).stats
+    assert (seen["ok"], seen["kept"], seen["filtered_not_passed"], seen["verification"]) == (21, 7, 14, stats["verification"])
+    filters = read_filtering(run_dir, index)
+    assert Counter((status(e, filters), reason(e, filters)) for e in index.entries if e.kind == "row") == {
+        ("ok", None): 7, ("filtered", "its verify command did not pass (--require_verified)"): 14}
 
     # the filter is changed on resume without paying again: every row comes back
     before = len(server.requests())

@@ -10,7 +10,7 @@ import orjson
 
 from trajgen import dataset, store, trajectory
 from trajgen.viewer.index import FAILED, ROW, Entry
-from trajgen.viewer.query import status
+from trajgen.viewer.query import Filtering, reason, status
 
 ROW_FIELDS = ("completed", "partial", "api_calls", "toolsets_used")
 
@@ -60,7 +60,7 @@ def dataset_prompt(run_dir: Path, entry: Entry) -> str | None:
     return parsed.prompt
 
 
-def view(entry: Entry, record: dict, keep_hallucinated: bool, run_dir: Path) -> dict:
+def view(entry: Entry, record: dict, filtering: Filtering, run_dir: Path) -> dict:
     """What /api/entry returns for one prompt."""
     row = record if entry.kind == ROW else record.get("row")
     row = row if isinstance(row, dict) else {}
@@ -69,7 +69,7 @@ def view(entry: Entry, record: dict, keep_hallucinated: bool, run_dir: Path) -> 
     extra = {k: v for k, v in record.items() if k != "row"} if entry.kind != ROW else {}
     tool_stats = row.get("tool_stats") if isinstance(row.get("tool_stats"), dict) else {}
     return {
-        "key": entry.key, "status": status(entry, keep_hallucinated), "reason": entry.reason,
+        "key": entry.key, "status": status(entry, filtering), "reason": reason(entry, filtering),
         "prompt_index": entry.prompt_index,
         "source": {"file": entry.file, "line": entry.line, "offset": entry.offset},
         "record": extra,

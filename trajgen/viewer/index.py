@@ -18,7 +18,8 @@ from pathlib import Path
 
 import orjson
 
-from trajgen import merge, store
+from trajgen import merge, store, verify
+from trajgen.verify import Verdict
 
 PROMPT_CHARS = 2000  # of each prompt, kept for search
 PREVIEW_CHARS = 160
@@ -45,6 +46,7 @@ class Entry:
     toolsets_offered: tuple[str, ...]
     toolsets_sampled: tuple[str, ...]
     hallucinated: bool
+    passed: bool  # its verify command passed (what --require_verified keeps)
     partial: bool
     turns: int
     tokens: int
@@ -58,10 +60,10 @@ class _File:
 
 @dataclass
 class Tallies:
-    """merge.Tally per group, fed as rows arrive (`kept`: the rows that called no tool they were not offered)."""
+    """merge.Tally per group, fed as rows arrive; the rows by (called a tool not offered, verify passed),
+    which the summary sorts into kept and filtered as the run's filters did."""
 
-    kept: merge.Tally = field(default_factory=merge.Tally)
-    hallucinated: merge.Tally = field(default_factory=merge.Tally)
+    rows: dict[tuple[bool, bool], merge.Tally] = field(default_factory=dict)
     discarded: merge.Tally = field(default_factory=merge.Tally)
     failed_attempts: merge.Tally = field(default_factory=merge.Tally)  # every failure record, as the merge counts them
     verification: merge.Verification = field(default_factory=merge.Verification)  # rows and discarded rows
@@ -173,7 +175,7 @@ class RunIndex:
         if held >= 0 and self.entries[held].kind == DISCARDED:
             raise _Restart
         entry = _entry(ROW, where, key, row, row, None)
-        (self.tallies.hallucinated if entry.hallucinated else self.tallies.kept).add(row)
+        self.tallies.rows.setdefault((entry.hallucinated, entry.passed), merge.Tally()).add(row)
         self.tallies.verification.add(row)
         self._put(key, entry)
 
@@ -252,6 +254,7 @@ def _entry(kind: str, where: tuple, key, record: dict, row: dict, reason: str | 
         toolsets_offered=_names(meta.get("toolsets_offered")),
         toolsets_sampled=_names(meta.get("toolsets_sampled")),
         hallucinated=bool(meta.get("hallucinated_tools")),
+        passed=verify.status(row) == Verdict.PASSED.value,
         partial=bool(row.get("partial")),
         turns=int(meta.get("assistant_turns") or 0),
         tokens=int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0),

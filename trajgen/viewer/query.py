@@ -5,18 +5,41 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Callable
 
-from trajgen.viewer.index import DISCARDED, FAILED, Entry, RunIndex
+from trajgen.viewer.index import DISCARDED, FAILED, ROW, Entry, RunIndex
 
 STATUSES = ("ok", "filtered", "discarded", "failed")
 PAGE_LIMIT = 500
 
 
-def status(entry: Entry, keep_hallucinated: bool) -> str:
+@dataclass(frozen=True)
+class Filtering:
+    """The merge's filters as the run applied them (read back from its statistics.json)."""
+
+    keep_hallucinated: bool = False
+    require_verified: bool = False
+
+    def group(self, hallucinated: bool, passed: bool) -> str:
+        """Where the merge put such a row: kept, or filtered as `hallucinated` or `not_passed`."""
+        if hallucinated and not self.keep_hallucinated:
+            return "hallucinated"
+        return "not_passed" if self.require_verified and not passed else "kept"
+
+
+FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered",
+                    "not_passed": "its verify command did not pass (--require_verified)"}
+
+
+def status(entry: Entry, filtering: Filtering) -> str:
     if entry.kind == FAILED:
         return "failed"
     if entry.kind == DISCARDED:
         return "discarded"
-    return "filtered" if entry.hallucinated and not keep_hallucinated else "ok"
+    return "ok" if filtering.group(entry.hallucinated, entry.passed) == "kept" else "filtered"
+
+
+def reason(entry: Entry, filtering: Filtering) -> str | None:
+    """The discard reason, the failure's class, or why the merge filtered the row."""
+    return entry.reason if entry.kind != ROW else FILTERED_BECAUSE.get(filtering.group(entry.hallucinated, entry.passed))
 
 
 @dataclass(frozen=True)
@@ -36,7 +59,7 @@ class Filters:
     def from_params(cls, params: dict[str, str]) -> "Filters":
         return cls(**{f.name: params.get(f.name, "").strip() for f in fields(cls)})
 
-    def predicate(self, keep_hallucinated: bool) -> Callable[[Entry], bool]:
+    def predicate(self, filtering: Filtering) -> Callable[[Entry], bool]:
         """One test per filter that is set, so an unfiltered page costs nothing per entry."""
         tests: list[Callable[[Entry], bool]] = []
         if q := self.q.lower():
@@ -44,7 +67,7 @@ class Filters:
             tests.append(lambda e: q in e.search or e.prompt_index == number or q == e.key
                          or q == (e.dataset_id or "").lower())
         if self.status:
-            tests.append(lambda e: status(e, keep_hallucinated) == self.status)
+            tests.append(lambda e: status(e, filtering) == self.status)
         if self.tool:
             tests.append(lambda e: self.tool in e.tools)
         if self.toolset:
@@ -75,17 +98,17 @@ class Pager:
             self._sorted = (self.index.version, entries)
         return self._sorted[1]
 
-    def matching(self, filters: Filters, keep_hallucinated: bool) -> list[Entry]:
-        stamp = (self.index.version, filters, keep_hallucinated)
+    def matching(self, filters: Filters, filtering: Filtering) -> list[Entry]:
+        stamp = (self.index.version, filters, filtering)
         if self._matched[0] != stamp:
             entries = self.ordered()
-            self._matched = (stamp, list(filter(filters.predicate(keep_hallucinated), entries))
+            self._matched = (stamp, list(filter(filters.predicate(filtering), entries))
                              if filters != Filters() else entries)
         return self._matched[1]
 
-    def page(self, filters: Filters, keep_hallucinated: bool, start: int, limit: int) -> tuple[int, list[Entry]]:
+    def page(self, filters: Filters, filtering: Filtering, start: int, limit: int) -> tuple[int, list[Entry]]:
         """(how many match, the entries from `start`)."""
-        matched = self.matching(filters, keep_hallucinated)
+        matched = self.matching(filters, filtering)
         limit = max(1, min(limit, PAGE_LIMIT))
         start = max(0, start)
         return len(matched), matched[start:start + limit]

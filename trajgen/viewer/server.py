@@ -20,8 +20,8 @@ import orjson
 from trajgen import console
 from trajgen.viewer import conversation, render
 from trajgen.viewer.index import RunIndex
-from trajgen.viewer.query import STATUSES, Filters, Pager, status
-from trajgen.viewer.summary import keeps_hallucinated, summarize
+from trajgen.viewer.query import STATUSES, Filtering, Filters, Pager, reason, status
+from trajgen.viewer.summary import read_filtering, summarize
 
 POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -46,8 +46,8 @@ class Viewer:
             self.index.refresh()
             self._refreshed = time.monotonic()
 
-    def keep_hallucinated(self) -> bool:
-        return keeps_hallucinated(self.index.run_dir, self.index)
+    def filtering(self) -> Filtering:
+        return read_filtering(self.index.run_dir, self.index)
 
     def summary(self) -> dict:
         stats_file = self.index.run_dir / "statistics.json"
@@ -67,12 +67,12 @@ class Viewer:
         return self._summary[1]
 
     def entries(self, params: dict[str, str]) -> dict:
-        keep = self.keep_hallucinated()
+        filters = self.filtering()
         start = _int(params.get("start"), 0)
-        matched, page = self.pager.page(Filters.from_params(params), keep, start, _int(params.get("limit"), 100))
+        matched, page = self.pager.page(Filters.from_params(params), filters, start, _int(params.get("limit"), 100))
         return {"matched": matched, "total": len(self.index.entries), "start": start,
                 "entries": [{"key": e.key, "prompt_index": e.prompt_index, "id": e.dataset_id,
-                             "status": status(e, keep), "reason": e.reason, "preview": e.preview,
+                             "status": status(e, filters), "reason": reason(e, filters), "preview": e.preview,
                              "tools": list(e.tools), "turns": e.turns, "tokens": e.tokens,
                              "partial": e.partial, "hallucinated": e.hallucinated} for e in page]}
 
@@ -81,7 +81,7 @@ class Viewer:
         if position is None:
             return None
         found = self.index.entries[position]
-        return conversation.view(found, self.index.read(found), self.keep_hallucinated(), self.index.run_dir)
+        return conversation.view(found, self.index.read(found), self.filtering(), self.index.run_dir)
 
 
 def _int(value: str | None, default: int) -> int:

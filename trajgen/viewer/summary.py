@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trajgen import merge, store
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, RunIndex
-from trajgen.viewer.query import status
+from trajgen.viewer.query import Filtering, status
 
 HISTOGRAM_BINS = 20
 
@@ -23,7 +23,7 @@ HISTOGRAM_BINS = 20
 class Summary:
     stats: dict  # in statistics.json's format
     live: bool  # the files hold more than statistics.json: counts live, durations from the checkpoint
-    keep_hallucinated: bool  # hallucinated rows count as kept (the run used --keep_hallucinated)
+    filtering: Filtering  # as the run's merge filtered (--keep_hallucinated, --require_verified)
     turns: list[tuple[int, int, int]]  # histogram over kept rows: (low, high, rows)
     tokens: list[tuple[int, int, int]]
     toolsets: dict[str, tuple[int, int]]  # toolset -> (prompts that sampled it, prompts offered it)
@@ -37,10 +37,13 @@ def _read(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def keeps_hallucinated(run_dir: Path, index: RunIndex) -> bool:
-    """statistics.json reports no filtered row although rows called tools that were not offered."""
+def read_filtering(run_dir: Path, index: RunIndex) -> Filtering:
+    """The run's filters, from what statistics.json reports: no filtered row although rows called tools
+    that were not offered (--keep_hallucinated), rows filtered for their verdict (--require_verified)."""
     saved = _read(run_dir / "statistics.json")
-    return saved.get("filtered_hallucinated") == 0 and index.tallies.hallucinated.rows > 0
+    hallucinated = any(h and tally.rows for (h, _), tally in index.tallies.rows.items())
+    return Filtering(keep_hallucinated=saved.get("filtered_hallucinated") == 0 and hallucinated,
+                     require_verified=bool(saved.get("filtered_not_passed")))
 
 
 def histogram(values: list[int], bins: int = HISTOGRAM_BINS) -> list[tuple[int, int, int]]:
@@ -56,12 +59,15 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS) -> list[tuple[int, 
 def summarize(index: RunIndex) -> Summary:
     run_dir = index.run_dir
     saved = _read(run_dir / "statistics.json")
-    keep = keeps_hallucinated(run_dir, index)
+    filters = read_filtering(run_dir, index)
     t = index.tallies
     entries = index.entries
+    groups = {"kept": merge.Tally(), "hallucinated": merge.Tally(), "not_passed": merge.Tally()}
+    for (hallucinated, passed), tally in t.rows.items():
+        group = filters.group(hallucinated, passed)
+        groups[group] = _together(groups[group], tally)
     merged = merge.Merged(
-        kept=_together(t.kept, t.hallucinated) if keep else t.kept, hallucinated=merge.Tally() if keep else t.hallucinated,
-        discarded=t.discarded, verification=t.verification,
+        **groups, discarded=t.discarded, verification=t.verification,
         discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
         failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED), failed_attempts=t.failed_attempts,
         batch_files=len(store.batch_files(run_dir)), duplicates_skipped=t.duplicates, torn=list(t.torn))
@@ -69,10 +75,10 @@ def summarize(index: RunIndex) -> Summary:
     live = not saved or any(saved.get(k) != counted[k] for k in ("ok", "discarded", "failed"))
     stats = merge.statistics(merged, _live_header(run_dir, counted) if live else
                              {k: saved.get(k) for k in _HEADER})
-    kept = [e for e in entries if e.kind == ROW and status(e, keep) == "ok"]
+    kept = [e for e in entries if e.kind == ROW and status(e, filters) == "ok"]
     sampled = Counter(name for e in entries for name in e.toolsets_sampled)
     offered = Counter(name for e in entries for name in e.toolsets_offered)
-    return Summary(stats=stats, live=live, keep_hallucinated=keep,
+    return Summary(stats=stats, live=live, filtering=filters,
                    turns=histogram([e.turns for e in kept]), tokens=histogram([e.tokens for e in kept]),
                    toolsets={name: (sampled[name], offered[name]) for name in sorted(sampled | offered)})
 

@@ -193,7 +193,7 @@ function renderEntry(found) {
   } else if (found.status === "discarded") {
     chat.append(el("p", "banner discarded", `discarded: ${found.reason}`));
   } else if (found.status === "filtered") {
-    chat.append(el("p", "banner filtered", "filtered: called a tool that was not offered"));
+    chat.append(el("p", "banner filtered", `filtered: ${found.reason}`));
   }
   for (const turn of found.turns) chat.append(turnView(turn));
   side.append(el("h4", null, "prompt"), facts([
