@@ -106,7 +106,7 @@ def rows_pool(res: dict) -> list[Row]:
                         f"{runs[0]['ideal_s']:.0f} s; runs {len(runs)}"
                         + {"httpx": " (trajgen/llm.py's client before d607319)",
                            "httpx2": " (the openai SDK's default client)",
-                           "aiohttp": " (trajgen/llm.py's client since d607319)"}.get(kind, "")))
+                           "aiohttp": " (trajgen/llm.py's client from d607319 until trajgen/transport.py)"}.get(kind, "")))
     return rows
 
 
@@ -311,7 +311,7 @@ def findings(results: dict) -> list[str]:
             out.append(f"HTTP client alone, one process, CPU per request at 128 / 32 requests in flight: "
                        f"httpx (trajgen/llm.py before d607319) {_fmt(ms.get('httpx@128'))} / {_fmt(ms.get('httpx@32'))} ms, "
                        f"httpx2 (the SDK's default) {_fmt(ms.get('httpx2@128'))} / {_fmt(ms.get('httpx2@32'))} ms, "
-                       f"aiohttp (trajgen/llm.py since d607319) {_fmt(ms.get('aiohttp@128'))} / {_fmt(ms.get('aiohttp@32'))} ms.")
+                       f"aiohttp (trajgen/llm.py's from d607319 until trajgen/transport.py) {_fmt(ms.get('aiohttp@128'))} / {_fmt(ms.get('aiohttp@32'))} ms.")
     prof = results.get("profile", {}).get("data", {}).get("summary", {})
     if "worker" in prof:
         w = prof["worker"]

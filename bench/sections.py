@@ -90,7 +90,7 @@ POOL_MICRO = r"""
 import asyncio, json, resource, sys, time
 import openai
 kind, url, conns, total = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-if kind == "aiohttp":  # openai.DefaultAioHttpClient, as trajgen/llm.py builds it since d607319
+if kind == "aiohttp":  # openai.DefaultAioHttpClient (needs `pip install aiohttp`)
     from openai._constants import DEFAULT_CONNECTION_LIMITS
     limits = type(DEFAULT_CONNECTION_LIMITS)(max_connections=conns, max_keepalive_connections=conns)
     http = openai.DefaultAioHttpClient(limits=limits, timeout=600.0)
@@ -128,9 +128,9 @@ asyncio.run(main())
 
 def section_pool(args) -> dict:
     """One process, one openai.AsyncOpenAI client, `conns` requests in flight (one worker's share of
-    --concurrency): CPU per request of the legacy httpx client (what trajgen/llm.py passed until
-    d607319), of httpx2 (the openai SDK's own default) and of aiohttp (openai.DefaultAioHttpClient,
-    what trajgen/llm.py passes since d607319), at latency 0.25 s."""
+    --concurrency): CPU per request of the openai SDK over the legacy httpx client (what trajgen/llm.py
+    passed until d607319), over httpx2 (the SDK's own default) and over aiohttp (openai.DefaultAioHttpClient;
+    `pip install aiohttp`), at latency 0.25 s. The runner uses none of them now: trajgen/transport.py."""
     out: dict = {"latency": LATENCY, "runs": collections.defaultdict(list)}
     with Server(SCRIPT_PLAIN, LATENCY, "pool") as server:
         for rep in range(args.repeats):

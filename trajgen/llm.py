@@ -19,9 +19,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
-import aiohttp
 import orjson
 
+from trajgen import transport
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, FatalAPIError, MalformedResponse,
                             ProviderError, status_error)
 from trajgen.work import ModelSettings
@@ -34,45 +34,48 @@ OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just thi
 
 
 class Endpoint:
-    """One worker's connection to the chat endpoint, shared by all its conversations.
+    """One worker's connection pool to the chat endpoint, shared by all its conversations.
 
-    aiohttp directly, not the openai SDK: its request pipeline and httpx layer cost about 0.75 ms
-    of CPU per call here, and importing it a second per worker process (bench/RESULTS.md). The
-    errors keep the SDK's class names (trajgen/errors.py)."""
+    Our own small HTTP/1.1 client (trajgen/transport.py), not the openai SDK nor aiohttp: the SDK's
+    request pipeline cost about 0.75 ms of CPU per call here and aiohttp's about 0.2 ms, a fifth of
+    the runner's whole cost per call (bench/RESULTS.md). The errors keep the SDK's class names
+    (trajgen/errors.py)."""
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
         self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
                         "Accept": "application/json"}
-        self.timeout = aiohttp.ClientTimeout(total=settings.request_timeout)
+        self.timeout = settings.request_timeout
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
-        self._session: aiohttp.ClientSession | None = None
+        self._client: transport.Client | None = None
 
     async def post(self, body: bytes) -> bytes:
         """The body of a 2xx reply to a serialized request, or the error for what happened."""
-        if self._session is None:  # created on the loop that uses it
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections),
-                                                  timeout=self.timeout, proxy=env_proxy(self.url))
+        if self._client is None:  # made on the loop that uses it
+            proxy = env_proxy(self.url)
+            try:
+                self._client = transport.Client(self.url, self.connections, proxy)
+            except ValueError as e:  # an https:// proxy in the environment: no request can go out
+                raise FatalAPIError(f"cannot send through the proxy {proxy}: {e}") from None
         try:
-            async with self._session.post(self.url, data=body, headers=self.headers) as response:
-                content = await response.read()
+            async with asyncio.timeout(self.timeout):
+                response = await self._client.post(body, self.headers)
         except TimeoutError as e:
             raise APITimeoutError() from e
-        except aiohttp.ClientError as e:
+        except (OSError, asyncio.IncompleteReadError, transport.ProtocolError) as e:
             raise APIConnectionError() from e
         if not 200 <= response.status < 300:
-            raise status_error(response.status, response.headers, content)
-        return content
+            raise status_error(response.status, response.headers, response.body)
+        return response.body
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._client is not None:
+            self._client.close()
 
 
 def env_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url` (HTTPS_PROXY, NO_PROXY, ...), looked up once:
-    aiohttp's trust_env looks it up again in a thread for every request, half a call's CPU."""
+    """The proxy the environment names for `url` (HTTPS_PROXY, NO_PROXY, ...), looked up once per worker."""
     parts = urllib.parse.urlsplit(url)
     if urllib.request.proxy_bypass_environment(parts.hostname or ""):
         return None

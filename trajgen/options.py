@@ -11,6 +11,7 @@ import hashlib
 import inspect
 import os
 import typing
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,6 +218,11 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
+    for name in ("base_url", "vision_base_url"):
+        url = getattr(opts, name)
+        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
+                                or not urllib.parse.urlsplit(url).hostname):
+            raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
     if opts.export_outcome and not opts.export:
         raise UsageError("--export_outcome selects rows for --export; pass --export too")
     if opts.backend not in BACKENDS:
