@@ -1,12 +1,12 @@
 """The agent loop in process, against the scripted fake model and a real local sandbox."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 import model_tools
+from tests.conftest import arun
 from trajgen import agent, errors, export
 from trajgen.model import Reply, ScriptedModel, tool_call
 from trajgen.outcome import Status, decide
@@ -32,12 +32,12 @@ def ctx(tmp_path):
         return sandbox
 
     yield ToolContext(sandbox=get)
-    asyncio.run(sandbox.close())
+    arun(sandbox.close())
     cleanup(config)
 
 
 def converse(model: ScriptedModel, ctx: ToolContext, settings: ModelSettings = SETTINGS) -> agent.Conversation:
-    return asyncio.run(agent.run_conversation(TASK.prompt, model, settings, TOOLS, [t.schema() for t in TOOLS], ctx))
+    return arun(agent.run_conversation(TASK.prompt, model, settings, TOOLS, [t.schema() for t in TOOLS], ctx))
 
 
 def test_tools_run_in_the_sandbox_and_the_row_keeps_what_was_sent(ctx):
