@@ -117,7 +117,7 @@ class _RayWorker:
 
     def _check(self, epoch: int) -> None:
         if epoch != self.epoch:
-            raise WorkerCrashed("Ray restarted this worker: the prompts it had were lost")
+            raise WorkerCrashed("a call for an earlier life of this Ray worker (restarted, or given up by the driver)")
 
     async def submit(self, epoch: int, tasks: list[Task]) -> None:
         self._check(epoch)
