@@ -439,7 +439,7 @@ def test_cluster_auto_pool_follows_nodes_that_join_and_leave(cluster, scripted_s
         messages += _drain(pool, until=lambda: sum(s.up for s in pool.slots) == 4)
         newcomers = [s for s in pool.slots if s.report.node not in base]
         assert len(newcomers) == 2  # the new node's CPUs got actors
-        messages += _drain(pool, until=lambda: any(slot in newcomers for slot, _ in pool.running.values()))
+        messages += _drain(pool, until=lambda: any(slot.inflight for slot in newcomers))
         cluster.remove(joined)  # with prompts running on it
         messages += _drain(pool, until=lambda: not pool.inflight and len(pool.slots) == 2)
     finally:

@@ -4,9 +4,11 @@ It has the process pool's interface (`start`, `submit`, `poll`, `cancel`, `kill`
 `inflight`) and moves the same Task, PromptOutcome and events, so the parent stays the single writer of the
 run directory and files, resume and statistics are those of a process-pool run. Each actor is an
 asyncio actor running `_Worker.run_one` (the process pool's own code) for many conversations at
-once, with its sandboxes on the node it landed on. When an actor or its node dies, Ray restarts
-the actor where it can, and its prompts run again, up to `crash_retries` times, before they come
-back failed as WorkerCrashed.
+once, with its sandboxes on the node it landed on. As on the process pool's pipes, traffic goes in
+batches: the prompts for an actor in one `submit` call per poll, everything it has to say (outcomes
+included) in the reply to one long-polled `events` call. The driver keeps each actor's prompts in
+flight; when an actor or its node dies, Ray restarts the actor where it can, and its prompts run
+again, up to `crash_retries` times, before they come back failed as WorkerCrashed.
 
 Each actor checks its own node when it starts (bubblewrap, the tools' programs, the images its
 prompts name) and reports what is missing; the driver names it once per node and sends a prompt
@@ -25,13 +27,13 @@ import signal
 import tempfile
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trajgen import registry
 from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
-from trajgen.messages import Event, Fatal, Finished, Log
-from trajgen.outcome import PromptOutcome, decide
+from trajgen.messages import Cancelled, Event, Fatal, Finished, Log
+from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox.config import bwrap_problem, check_images, cleanup
 from trajgen.work import Task, WorkerConfig
@@ -39,7 +41,7 @@ from trajgen.workers import _Worker
 
 try:
     import ray
-    from ray.exceptions import RayActorError, RayError
+    from ray.exceptions import RayError
 except ImportError:  # Ray is an optional extra
     ray = None
 
@@ -47,6 +49,7 @@ EXECUTORS = ("processes", "ray")
 STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and clean up at close
 LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
 SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
+CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, control calls (prompts are its own tasks)
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
 
@@ -83,49 +86,61 @@ async def check_node(config: WorkerConfig, images: list[str]) -> NodeReport:
 
 
 class _RayWorker:
-    """One actor: a worker's conversations. Prompts arrive as `run` calls (one per prompt);
-    throttle, fatal and log messages wait in an outbox that the driver long-polls (`events`)."""
+    """One actor: a worker's conversations. Prompts arrive in batches (`submit`, one call per driver poll);
+    every event, outcomes included, waits in an outbox that the driver long-polls (`events`): two Ray calls
+    per poll, not one per prompt. `epoch` numbers the driver's view of this actor's life: a call meant for a
+    predecessor that died (Ray restarts an actor in place) is refused, so no prompt runs twice or is lost."""
 
     def __init__(self, config: WorkerConfig, images: list[str]):
         self.config, self.images = config, images
         self.report: NodeReport | None = None
-        self.outcomes: dict[str, PromptOutcome] = {}
+        self.epoch: int | None = None  # set by the driver's `ready`
         self.outbox: list[Event] = []
         self.news = asyncio.Event()
         self.worker = _Worker(config, self._send)
 
     def _send(self, message: Event) -> None:
-        if isinstance(message, Finished):
-            self.outcomes[message.outcome.key] = message.outcome
-        else:
-            self.outbox.append(message)
-            self.news.set()
+        self.outbox.append(message)
+        self.news.set()
 
-    async def ready(self) -> NodeReport:
-        """Answers once this actor (or its restarted self, perhaps on another node) is up: what its node lacks."""
+    async def ready(self, epoch: int) -> NodeReport:
+        """Answers once this actor (or its restarted self, perhaps on another node) is up: what its node lacks.
+        A new epoch for a live actor means the driver gave its prompts up (it ran them again elsewhere)."""
+        if self.epoch is not None and epoch != self.epoch:
+            await self.worker.cancel_all()
+            self.outbox.clear()
+            self.news.set()  # ends the `events` call of the life given up
+        self.epoch = epoch
         if self.report is None:
             self.report = await check_node(self.config, self.images)
         return self.report
 
-    async def run(self, task: Task) -> PromptOutcome | None:
-        """The prompt's outcome, or None when `cancel` stopped it (not recorded, as in the process pool)."""
-        job = asyncio.create_task(self.worker.run_one(task))
-        self.worker.running[task.key] = job
-        await asyncio.wait([job])
-        return self.outcomes.pop(task.key, None)
+    def _check(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            raise WorkerCrashed("a call for an earlier life of this Ray worker (restarted, or given up by the driver)")
 
-    async def events(self) -> list[Event]:
+    async def submit(self, epoch: int, tasks: list[Task]) -> None:
+        self._check(epoch)
+        for task in tasks:
+            self.worker.running[task.key] = asyncio.create_task(self.worker.run_one(task))
+
+    async def events(self, epoch: int) -> list[Event]:
+        """What happened since the last call, once something has; a Finished event is a prompt's outcome."""
+        self._check(epoch)
         await self.news.wait()
+        await asyncio.sleep(0)  # the rest of this turn's events come in the same reply
+        self._check(epoch)
         self.news.clear()
         messages, self.outbox = self.outbox, []
         return messages
 
     async def cancel(self) -> None:
-        """Cancel every conversation; returns once their sandboxes are closed."""
+        """Cancel every conversation (their sandboxes are closed); `events` then says Cancelled."""
         await self.worker.cancel_all()
+        self._send(Cancelled())
 
     async def stop(self) -> None:
-        await self.cancel()
+        await self.worker.cancel_all()
         await self.worker.endpoint.close()
 
     async def cleanup(self) -> None:
@@ -141,7 +156,8 @@ class _Slot:
     actor: Any
     watch: Any = None  # the pending `ready` call while down, the pending `events` call while up
     up: bool = False
-    inflight: int = 0
+    epoch: int = 0  # which life of the actor the driver talks to: one more at each `ready`
+    inflight: dict[str, Task] = field(default_factory=dict)  # its prompts, by key, until their Finished
     report: NodeReport | None = None  # what its node lacks, from its latest `ready`
 
 
@@ -162,7 +178,6 @@ class RayPool:
         self.next_resize = 0.0
         self.named: set[str] = set()  # nodes whose report has been said
         self.queue: deque[Task] = deque()  # submitted, waiting for an actor that is up and has room
-        self.running: dict[Any, tuple[_Slot, Task]] = {}  # `run` call -> (actor, prompt)
         self.crashes: Counter[str] = Counter()  # per prompt key: runs lost to a dead actor
         self.temp_dir: str | None = None  # Ray's session files, for an instance we started
         self.saved_env: dict[str, str | None] = {}  # variables to restore after a local instance
@@ -172,7 +187,7 @@ class RayPool:
             self._init_ray()
             self.actor_class = ray.remote(_RayWorker).options(
                 num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
-                max_restarts=-1, max_concurrency=self.config.concurrency + 2,  # + the `events` poll and one control call
+                max_restarts=-1, max_concurrency=CALLS,
                 scheduling_strategy="SPREAD",  # over the nodes: each brings its own cores for the sandboxes
             )
             self._grow(self.num_workers or self._fits())
@@ -207,14 +222,19 @@ class RayPool:
 
     def _init_ray(self) -> None:
         """Join `address`, or start a private local instance: on loopback only, its files in a temp dir,
-        room for every worker whatever the core count, and token auth with a fresh token in the
-        environment (nothing written to ~/.ray; Ray turns token auth on itself, before it reads the mode)."""
+        room for every worker whatever the core count, token auth with a fresh token in the
+        environment (nothing written to ~/.ray; Ray turns token auth on itself, before it reads the mode),
+        and no usage statistics sent to Ray's makers (on by default, even without the dashboard).
+        The actors print nothing (their events carry the logs), so nothing streams their output here."""
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+        options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
+                                   "log_to_driver": False}
         if self.address is None:
             self.temp_dir = tempfile.mkdtemp(prefix="trajgen-ray-")
-            self.saved_env = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+            self.saved_env = {name: os.environ.get(name)
+                              for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")}
             os.environ.setdefault("RAY_AUTH_TOKEN", LOCAL_TOKEN)
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             cpus = max(os.cpu_count() or 1, math.ceil((self.num_workers or 0) * self.worker_cpus))
             options.update(address="local", num_cpus=cpus, _temp_dir=self.temp_dir, _node_ip_address="127.0.0.1")
@@ -228,29 +248,34 @@ class RayPool:
 
     @property
     def inflight(self) -> int:
-        return len(self.queue) + len(self.running)
+        return len(self.queue) + sum(len(s.inflight) for s in self.slots)
 
     def submit(self, task: Task) -> None:
         self.queue.append(task)
 
     def _dispatch(self) -> list[Event]:
-        """Hand queued prompts to actors that are up, have room, and whose node has what the prompt needs.
-        A prompt that no node can serve, once every actor has reported, comes back failed (resume retries
-        it), or stops the run under --require_toolsets."""
+        """Hand queued prompts to actors that are up, have room, and whose node has what the prompt needs,
+        in one `submit` per actor. A prompt that no node can serve, once every actor has reported, comes back
+        failed (resume retries it), or stops the run under --require_toolsets."""
         messages: list[Event] = []
+        batches: dict[int, list[Task]] = {}
         everyone_reported = bool(self.slots) and all(s.up for s in self.slots)  # none left: poll says so
         for task in list(self.queue):
             wanted = needs(task, self.config)
             able = [s for s in self.slots if s.up and not wanted & s.report.missing.keys()]
-            room = [s for s in able if s.inflight < self.config.concurrency]
+            room = [s for s in able if len(s.inflight) < self.config.concurrency]
             if room:
-                slot = min(room, key=lambda s: s.inflight)
+                slot = min(room, key=lambda s: len(s.inflight))
                 self.queue.remove(task)
-                self.running[slot.actor.run.remote(task)] = (slot, task)
-                slot.inflight += 1
+                slot.inflight[task.key] = task
+                batches.setdefault(slot.number, []).append(task)
             elif not able and everyone_reported:
                 self.queue.remove(task)
                 messages.append(self._unservable(task, wanted))
+        for slot in self.slots:
+            if slot.number in batches:
+                # no reply: if the actor died, its `events` call fails and the driver runs the prompts again
+                slot.actor.submit.options(num_returns=0).remote(slot.epoch, batches[slot.number])
         return messages
 
     def _unservable(self, task: Task, wanted: set[str]) -> Event:
@@ -267,31 +292,14 @@ class RayPool:
             raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
         messages += self._dispatch()
         watched = {s.watch: s for s in self.slots}
-        refs = [*self.running, *watched]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        ready, _ = ray.wait(list(watched), num_returns=1, timeout=timeout)
         if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ready, _ = ray.wait(list(watched), num_returns=len(watched), timeout=0)
         for ref in ready:
-            messages += self._watched(watched[ref], ref) if ref in watched else self._finished(ref)
-        return messages + self._dispatch()
-
-    def _finished(self, ref: Any) -> list[Event]:
-        slot, task = self.running.pop(ref)
-        slot.inflight -= 1
-        try:
-            result = ray.get(ref)
-        except RayError as e:
-            messages = self._down(slot, e) if isinstance(e, RayActorError) else []
-            if self.crashes[task.key] < self.crash_retries:
-                self.crashes[task.key] += 1
-                self.queue.appendleft(task)  # first in line for the next actor with room
-                return messages
-            return messages + [Finished(decide(task, error=WorkerCrashed(f"Ray worker died: {_why(e)}")))]
-        return [] if result is None else [Finished(result)]
+            messages += self._watched(watched[ref], ref)
+        return messages
 
     def _watched(self, slot: _Slot, ref: Any) -> list[Event]:
-        if ref != slot.watch:  # an `events` call that failed with its actor, already replaced by `ready`
-            return []
         try:
             messages = ray.get(ref)
         except RayError as e:
@@ -301,7 +309,10 @@ class RayPool:
             return [Log(f"Ray worker {slot.number} is gone for good: {_why(e)}")]
         if not slot.up:
             slot.up, slot.report, messages = True, messages, self._named(messages)
-        slot.watch = slot.actor.events.remote()
+        for message in messages:
+            if isinstance(message, Finished):
+                slot.inflight.pop(message.outcome.key, None)
+        slot.watch = slot.actor.events.remote(slot.epoch)
         return messages
 
     def _named(self, report: NodeReport) -> list[Event]:
@@ -313,34 +324,45 @@ class RayPool:
         return [Log(f"Ray node {report.node} lacks {lacks}: prompts that need it run on other nodes")]
 
     def _down(self, slot: _Slot, error: Exception) -> list[Event]:
-        """Stop sending it prompts until Ray has restarted it."""
-        if not slot.up:
-            return []
+        """Stop sending it prompts until Ray has restarted it; its prompts run again elsewhere, each up to
+        `crash_retries` times, then come back failed."""
+        lost, slot.inflight = list(slot.inflight.values()), {}
         self._watch(slot)
-        return [Log(f"Ray worker {slot.number} died ({type(error).__name__}); its prompts run again "
-                        f"(up to {self.crash_retries} times each) while Ray restarts it")]
+        messages: list[Event] = [Log(f"Ray worker {slot.number} died ({type(error).__name__}); its prompts run "
+                                     f"again (up to {self.crash_retries} times each) while Ray restarts it")]
+        for task in reversed(lost):
+            if self.crashes[task.key] < self.crash_retries:
+                self.crashes[task.key] += 1
+                self.queue.appendleft(task)  # first in line for the next actor with room
+            else:
+                messages.append(Finished(decide(task, error=WorkerCrashed(f"Ray worker died: {_why(error)}"))))
+        return messages
 
     def _watch(self, slot: _Slot) -> _Slot:
         slot.up = False
-        slot.watch = slot.actor.ready.options(max_task_retries=-1).remote()
+        slot.epoch += 1
+        slot.watch = slot.actor.ready.options(max_task_retries=-1).remote(slot.epoch)
         return slot
 
     def cancel(self, timeout: float = 10.0) -> list[Event]:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
         self.queue.clear()
-        _wait_all([s.actor.cancel.remote() for s in self.slots if s.up], timeout)
+        waiting = [s for s in self.slots if s.up]
+        for slot in waiting:
+            slot.actor.cancel.options(num_returns=0).remote()  # answered through `events`
         arrived: list[Event] = []
-        for ref in _wait_all(list(self.running), timeout):
-            try:
-                result = ray.get(ref)
-            except RayError:  # its actor died: not recorded, resume runs it
-                continue
-            if result is not None:
-                arrived.append(Finished(result))
-        self.running.clear()
+        deadline = time.monotonic() + timeout
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready, _ = ray.wait([s.watch for s in waiting], num_returns=1, timeout=left)
+            for slot in [s for s in waiting if s.watch in ready]:
+                slot.inflight.clear()  # what has not arrived by its Cancelled is not recorded: resume runs it
+                messages = self._watched(slot, slot.watch)
+                arrived += [m for m in messages if not isinstance(m, Cancelled)]
+                if not slot.up or any(isinstance(m, Cancelled) for m in messages):
+                    waiting.remove(slot)
         for slot in self.slots:
-            slot.inflight = 0
+            slot.inflight.clear()
         return arrived
 
     def kill(self) -> None:
