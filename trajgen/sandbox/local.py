@@ -120,16 +120,17 @@ def bwrap_problem() -> str | None:
         seccomp.program()
     except OSError as e:
         return str(e)
-    with tempfile.TemporaryDirectory() as tmp:
-        argv, fds = bwrap_argv(tmp, DEFAULT_CWD, False, 1, NOBODY, ["true"])
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD),
-                                  pass_fds=fds)
-        except subprocess.TimeoutExpired:
-            return "bwrap did not finish a trivial command within 30 s"
-        finally:
-            for fd in fds:
-                os.close(fd)
+    # the work dir bound is the temp dir itself: a probe killed midway (a Ray actor stopped while it
+    # starts) leaves nothing behind
+    argv, fds = bwrap_argv(tempfile.gettempdir(), DEFAULT_CWD, False, 1, NOBODY, ["true"])
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD),
+                              pass_fds=fds)
+    except subprocess.TimeoutExpired:
+        return "bwrap did not finish a trivial command within 30 s"
+    finally:
+        for fd in fds:
+            os.close(fd)
     if proc.returncode == 0:
         return None
     lines = proc.stderr.strip().splitlines()
