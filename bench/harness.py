@@ -350,6 +350,7 @@ class RunResult:
     maxrss_children_mb: float | None = None  # ru_maxrss of RUSAGE_CHILDREN: the largest reaped descendant
     prompt_wall_p50: float | None = None  # per-prompt metadata.usage.wall_seconds
     prompt_wall_p95: float | None = None
+    steady_rate: float | None = None  # prompts/s between the 10th and the 90th percentile of the rows' end times
     machine_busy: float | None = None  # share of all cores busy (/proc/stat), kernel threads included
     foreign_cpu_s: float | None = None  # machine busy CPU-s minus the CLI's and the server's: others' load
     kthreads_cpu_s: float | None = None  # CPU of kernel threads during the run (part of foreign_cpu_s)
@@ -452,6 +453,7 @@ def _run_cli_once(argv: list[str], run_name: str, n: int, server: Server, timeou
     if prompt_walls and (walls := _prompt_walls(run_dir)):
         result.prompt_wall_p50 = walls[len(walls) // 2]
         result.prompt_wall_p95 = walls[min(len(walls) - 1, int(len(walls) * 0.95))]
+        result.steady_rate = _steady_rate(run_dir)
     if rc != 0 or result.ok != n:
         console.print(f"[yellow]warning:[/] {run_name}: exit {rc}, ok={result.ok}/{n}, failed={result.failed} "
                       f"(see {log_path})")
@@ -478,6 +480,15 @@ def _prompt_walls(run_dir: Path) -> list[float]:
         return []
     with open(run_dir / "trajectories.jsonl", "rb") as f:
         return sorted(json.loads(line)["metadata"]["usage"]["wall_seconds"] for line in f)
+
+
+def _steady_rate(run_dir: Path) -> float | None:
+    """Prompts per second once the run is going: start-up and the last stragglers left out (the rows'
+    end times have 1 s resolution, over runs of tens of seconds)."""
+    with open(run_dir / "trajectories.jsonl", "rb") as f:
+        ends = sorted(datetime.fromisoformat(json.loads(line)["metadata"]["timestamp"]).timestamp() for line in f)
+    low, high = ends[len(ends) // 10], ends[(9 * len(ends)) // 10]
+    return (9 * len(ends) // 10 - len(ends) // 10) / (high - low) if high > low else None
 
 
 def _fresh(run_name: str) -> None:

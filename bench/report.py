@@ -65,6 +65,8 @@ def _throughput_rows(res: dict, section: str, targets: dict) -> list[Row]:
         p95 = median([r.get("prompt_wall_p95") for r in runs])
         if p50 is not None:
             note += f"; per-prompt wall p50 {p50:.2f} s, p95 {p95:.2f} s (floor {runs[0].get('calls', 2) * LATENCY:.2f})"
+        if (rate := median([r.get("steady_rate") for r in runs])) is not None:
+            note += f"; steady rate {rate:.1f} prompts/s (10th to 90th percentile of end times; ideal {conc / (runs[0].get('calls', 2) * LATENCY):.0f})"
         cpu = median([r["cpu_s"] for r in runs])
         scpu = median([r["server_cpu_s"] for r in runs])
         if cpu is not None and dur:
