@@ -197,7 +197,7 @@ def rows_scale(res: dict) -> list[Row]:
 
 def rows_sandbox(res: dict) -> list[Row]:
     rows = []
-    labels = {"plain": "unsafe_local: ulimit + bash, no bubblewrap",
+    labels = {"plain": "unsafe_local: prlimit + bash, no bubblewrap",
               "fresh": "a prompt's first command (sandbox opened, started, closed)",
               "fresh-with-network": "the same without --unshare-net",
               "same": "a command after the first in a prompt's running sandbox"}

@@ -33,8 +33,6 @@ from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, pro
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
-# without a sandbox: the limits, then the command
-LIMITED = 'ulimit "${@:2}" || exit 126; exec bash -c "$1"'
 # moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
 ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
@@ -46,9 +44,17 @@ def sandbox_env(home: str) -> dict[str, str]:
 
 
 def ulimit_args(config: SandboxConfig) -> list[str]:
-    """bash `ulimit` options for a command: CPU seconds, data size (memory), processes, file size (KiB)."""
+    """bash `ulimit` options for a command in the sandbox's loop: CPU seconds, data size (memory),
+    processes, file size (KiB); set in the command's forked shell, no program to exec."""
     return ["-t", str(config.cpu_seconds), "-d", str(config.memory_mb << 10), "-u", str(config.max_processes),
             "-f", str(config.file_size_mb << 10)]
+
+
+def prlimit_argv(config: SandboxConfig) -> list[str]:
+    """The same limits as a prefix, for a command run without the loop (--unsafe_local): one small
+    exec instead of a second bash."""
+    return ["prlimit", f"--cpu={config.cpu_seconds}", f"--data={config.memory_mb << 20}",
+            f"--nproc={config.max_processes}", f"--fsize={config.file_size_mb << 20}", "--"]
 
 
 def _under(path: str, dirs: tuple[str, ...]) -> bool:
@@ -162,7 +168,7 @@ class LocalSandbox:
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         if self._supervisor is None:
-            return await run_process(["bash", "-c", LIMITED, "bash", command, *ulimit_args(self.config)], timeout,
+            return await run_process([*prlimit_argv(self.config), "bash", "-c", command], timeout,
                                      sandbox_env(self.cwd), cwd=self.host_dir)
         ooms = self._group.oom_kills() if self._group else 0
         result = await self._supervisor.run(command, timeout)
