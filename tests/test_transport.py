@@ -103,10 +103,27 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_and_a_broken_repl
             await transport.Client(f"http://127.0.0.1:{garbage_port}/v1", 1).post(b"{}", {})
         broken.close()
         garbage.close()
-        return bodies, len(served)
 
-    bodies, served = arun(scenario())
+        async def answer_then_cut(head, reader, writer):  # the second answer: a head, then the connection ends
+            if len(cut_heads) == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n" + OK)
+                await writer.drain()
+                return None
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n")
+            await writer.drain()
+            return "close"
+
+        cutting, cut_port, cut_heads = await _serve(answer_then_cut)
+        client = transport.Client(f"http://127.0.0.1:{cut_port}/v1", 1)
+        assert (await client.post(b"{}", {})).body == OK
+        with pytest.raises(asyncio.IncompleteReadError):  # the server answered: the request is not sent again
+            await client.post(b"{}", {})
+        cutting.close()
+        return bodies, len(served), len(cut_heads)
+
+    bodies, served, cut = arun(scenario())
     assert bodies == [OK] * 3 and served == 3  # each request sent once: the closed connection was never written to
+    assert cut == 2
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
 from trajgen.messages import Cancelled, Event, Fatal, Finished, Log
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
+from trajgen.sandbox import BackendUnreachable
 from trajgen.sandbox.config import bwrap_problem, check_images, cleanup
 from trajgen.work import Task, WorkerConfig
 from trajgen.workers import _Worker
@@ -81,7 +82,11 @@ async def check_node(config: WorkerConfig, images: list[str]) -> NodeReport:
         if not config.sandbox.unsafe_local and (problem := await asyncio.to_thread(bwrap_problem)):
             missing[SANDBOX] = f"bubblewrap cannot run here ({problem})"
     elif images:
-        missing |= {_image(i): why for i, why in (await check_images(images, config.sandbox)).items() if why}
+        try:
+            found = await check_images(images, config.sandbox)
+        except BackendUnreachable as e:  # this node's engine: its prompts go to other nodes
+            found = dict.fromkeys(images, str(e))
+        missing |= {_image(i): why for i, why in found.items() if why}
     return NodeReport(f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})", missing)
 
 

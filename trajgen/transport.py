@@ -74,19 +74,22 @@ class Client:
 
     async def post(self, body: bytes, headers: dict[str, str]) -> Response:
         """The response; OSError, asyncio.IncompleteReadError or ProtocolError when the exchange broke.
-        A kept-alive connection the server closed while idle is replaced once, at once: the server
-        never read a request from it."""
+        A kept-alive connection that breaks before a byte of the answer came back (the server closed
+        it while idle, and never read the request) is replaced at once; once any answer came back,
+        the request is never sent again."""
         head = self._head(body, headers)
         async with self._slots:
             while True:
                 reused, (reader, writer) = await self._connection()
                 try:
-                    response, keep = await _exchange(reader, writer, head, body)
-                except (ConnectionError, asyncio.IncompleteReadError) as e:
-                    writer.close()
-                    if reused and not getattr(e, "partial", b""):
-                        continue
-                    raise
+                    try:
+                        first = await _send(reader, writer, head + body)
+                    except (ConnectionError, asyncio.IncompleteReadError) as e:
+                        if reused and not getattr(e, "partial", b""):  # not a byte came back: try a new one
+                            writer.close()
+                            continue
+                        raise
+                    response, keep = await _answer(reader, first)
                 except BaseException:
                     writer.close()
                     raise
@@ -143,15 +146,18 @@ def _basic(proxy: urllib.parse.SplitResult) -> str | None:
     return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes,
-                    body: bytes) -> tuple[Response, bool]:
-    """(the response, whether the connection can carry another request)."""
-    writer.write(head + body)
+async def _send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes, dict[str, str]]:
+    """Send the request; the head of the first thing that comes back."""
+    writer.write(request)
     await writer.drain()
-    while True:
+    return await _read_head(reader)
+
+
+async def _answer(reader: asyncio.StreamReader, first: tuple[int, bytes, dict[str, str]]) -> tuple[Response, bool]:
+    """(the response, whether the connection can carry another request), from the first head on."""
+    status, version, headers = first
+    while status < 200:  # 1xx (103 Early Hints...): informational, the answer follows
         status, version, headers = await _read_head(reader)
-        if status >= 200:
-            break  # 1xx (103 Early Hints...): informational, the answer follows
     keep = version == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
     if status in (204, 304):
         return Response(status, headers, b""), keep
