@@ -138,6 +138,13 @@ class Merged:
     torn: list[str] = field(default_factory=list)
 
 
+def group(hallucinated: bool, passed: bool, keep_hallucinated: bool, require_verified: bool) -> str:
+    """Where the merge puts a row (a field of Merged): kept, or filtered as `hallucinated` or `not_passed`."""
+    if hallucinated and not keep_hallucinated:
+        return "hallucinated"
+    return "not_passed" if require_verified and not passed else "kept"
+
+
 def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False) -> Merged:
     """Write trajectories.jsonl (atomically) and count everything on the way. The filters
     (hallucinated tools, --require_verified) act here only: the batch files keep every row."""
@@ -157,15 +164,12 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
                             continue
                         seen.add(key)
                         result.verification.add(row)
-                        if row["metadata"].get("hallucinated_tools") and not keep_hallucinated:
-                            result.hallucinated.add(row)
-                            continue
-                        if require_verified and verify.status(row) != Verdict.PASSED.value:
-                            result.not_passed.add(row)
-                            continue
-                        result.kept.add(row)
-                        out.write(orjson.dumps(row))
-                        out.write(b"\n")
+                        where = group(bool(row["metadata"].get("hallucinated_tools")),
+                                      verify.status(row) == Verdict.PASSED.value, keep_hallucinated, require_verified)
+                        getattr(result, where).add(row)
+                        if where == "kept":
+                            out.write(orjson.dumps(row))
+                            out.write(b"\n")
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, run_dir / "trajectories.jsonl")

@@ -76,7 +76,7 @@ class Client:
         """The response; OSError, asyncio.IncompleteReadError or ProtocolError when the exchange broke.
         A kept-alive connection that breaks before a byte of the answer came back (the server closed
         it while idle, and never read the request) is replaced at once; once any answer came back,
-        the request is never sent again."""
+        the request is not sent again here."""
         head = self._head(body, headers)
         async with self._slots:
             while True:
@@ -84,8 +84,8 @@ class Client:
                 try:
                     try:
                         first = await _send(reader, writer, head + body)
-                    except (ConnectionError, asyncio.IncompleteReadError) as e:
-                        if reused and not getattr(e, "partial", b""):  # not a byte came back: try a new one
+                    except _Unanswered:
+                        if reused:  # closed by the server while idle: try a new connection
                             writer.close()
                             continue
                         raise
@@ -146,11 +146,23 @@ def _basic(proxy: urllib.parse.SplitResult) -> str | None:
     return "Basic " + base64.b64encode(pair.encode()).decode()
 
 
+class _Unanswered(ConnectionError):
+    """The connection broke before a byte of the answer came back."""
+
+
 async def _send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bytes, dict[str, str]]:
     """Send the request; the head of the first thing that comes back."""
-    writer.write(request)
-    await writer.drain()
-    return await _read_head(reader)
+    try:
+        writer.write(request)
+        await writer.drain()
+    except ConnectionError as e:
+        raise _Unanswered(str(e)) from e
+    try:
+        return await _read_head(reader)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise
+        raise _Unanswered("the connection ended before an answer") from e
 
 
 async def _answer(reader: asyncio.StreamReader, first: tuple[int, bytes, dict[str, str]]) -> tuple[Response, bool]:

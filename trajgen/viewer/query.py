@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Callable
 
+from trajgen import merge
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, Entry, RunIndex
 
 STATUSES = ("ok", "filtered", "discarded", "failed")
@@ -20,9 +21,7 @@ class Filtering:
 
     def group(self, hallucinated: bool, passed: bool) -> str:
         """Where the merge put such a row: kept, or filtered as `hallucinated` or `not_passed`."""
-        if hallucinated and not self.keep_hallucinated:
-            return "hallucinated"
-        return "not_passed" if self.require_verified and not passed else "kept"
+        return merge.group(hallucinated, passed, self.keep_hallucinated, self.require_verified)
 
 
 FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered",

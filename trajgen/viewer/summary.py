@@ -23,7 +23,6 @@ HISTOGRAM_BINS = 20
 class Summary:
     stats: dict  # in statistics.json's format
     live: bool  # the files hold more than statistics.json: counts live, durations from the checkpoint
-    filtering: Filtering  # as the run's merge filtered (--keep_hallucinated, --require_verified)
     turns: list[tuple[int, int, int]]  # histogram over kept rows: (low, high, rows)
     tokens: list[tuple[int, int, int]]
     toolsets: dict[str, tuple[int, int]]  # toolset -> (prompts that sampled it, prompts offered it)
@@ -78,7 +77,7 @@ def summarize(index: RunIndex) -> Summary:
     kept = [e for e in entries if e.kind == ROW and status(e, filters) == "ok"]
     sampled = Counter(name for e in entries for name in e.toolsets_sampled)
     offered = Counter(name for e in entries for name in e.toolsets_offered)
-    return Summary(stats=stats, live=live, filtering=filters,
+    return Summary(stats=stats, live=live,
                    turns=histogram([e.turns for e in kept]), tokens=histogram([e.tokens for e in kept]),
                    toolsets={name: (sampled[name], offered[name]) for name in sorted(sampled | offered)})
 
