@@ -79,6 +79,7 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     assert failure["error_class"] == "InternalError" and 'raise ValueError("bad")' in failure["traceback"]
     checkpoint = store.read_json(tmp_path / "checkpoint.json")
     assert checkpoint["next_batch"] == 3 and checkpoint["batches_open"] == []
+    assert checkpoint["batch_files"] == [0, 1, 2]  # all fsynced before the final checkpoint: resume reads their keys only
     assert checkpoint["counts_this_invocation"] == {"ok": 3, "discarded": 1, "failed": 1}
     stats = merge.statistics(merge.merge(tmp_path, keep_hallucinated=False), {})
     assert (stats["kept"], stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == (

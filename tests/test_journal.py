@@ -58,7 +58,7 @@ def _comparable(run_dir) -> tuple[list[dict], dict]:
         meta["usage"].pop("wall_seconds")
         meta["usage"].pop("replayed")
     stats = json.loads((run_dir / "statistics.json").read_text())
-    for name in ("run_name", "duration_seconds", "duration_seconds_total", "total_batches", "generated_at"):
+    for name in ("run_name", "duration_seconds", "duration_seconds_total", "total_batches", "generated_at", "merged_from"):
         stats.pop(name, None)
     return rows, stats
 

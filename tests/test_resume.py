@@ -182,3 +182,32 @@ def test_resume_with_changed_model_needs_force(cli, scripted_server):
     changed = cli.run(*cli.args(server, model="other-model", resume=True))
     assert changed.returncode == 2 and "model: 'test-model' -> 'other-model'" in changed.stderr
     assert cli.run(*cli.args(server, model="other-model", resume=True, force=True)).returncode == 0
+
+
+def test_resume_of_a_finished_run_rewrites_nothing_unless_a_file_changed(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in "abc"])
+    assert cli.run(*cli.args(server)).returncode == 0
+    run_dir = cli.run_dir()
+    merged, first = (run_dir / "trajectories.jsonl").stat(), json.loads((run_dir / "statistics.json").read_text())
+    again = cli.run(*cli.args(server, resume=True))
+    assert again.returncode == 0, again.stderr
+    assert len(server.requests()) == 3
+    assert (run_dir / "trajectories.jsonl").stat().st_mtime_ns == merged.st_mtime_ns  # not merged again
+    second = json.loads((run_dir / "statistics.json").read_text())
+    assert second["duration_seconds_total"] > first["duration_seconds_total"]
+    durations = ("duration_seconds", "duration_seconds_total")
+    assert {k: v for k, v in second.items() if k not in durations} == {k: v for k, v in first.items() if k not in durations}
+    # a row broken in its middle by hand (its start and end intact) is not taken for a row: it runs again
+    batch = run_dir / "batch_0.jsonl"
+    lines = batch.read_text().splitlines(keepends=True)
+    broken = json.loads(lines[1])["conversations"][1]["value"]
+    middle = len(lines[1]) // 2
+    batch.write_text(lines[0] + lines[1][:middle] + '"' + lines[1][middle:] + "".join(lines[2:]))
+    (run_dir / "trajectories.jsonl").unlink()
+    fixed = cli.run(*cli.args(server, resume=True))
+    assert fixed.returncode == 0, fixed.stderr
+    assert "batch_0.jsonl:2" in fixed.stderr
+    assert [r["prompt"] for r in server.requests()[3:]] == [broken]
+    assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == ["a", "b", "c"]
+    assert json.loads((run_dir / "statistics.json").read_text())["torn_lines_ignored"] == ["batch_0.jsonl:2"]

@@ -114,10 +114,10 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
             if name not in conv.offered and name not in hallucinated:
                 hallucinated.append(name)
             turns.append({**trajectory.tool_turn(message["tool_call_id"], name, result), "message": message})
-    metadata = {
-        "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
-        **{k: v for k, v in task.extra.items() if k not in ("batch_num", "timestamp", "model")},
-        "prompt_key": task.key, "group_id": task.group_id or task.key, "sample_index": task.sample_index,
+    metadata = {  # the key first: store.scan reads it from the start of the line
+        "prompt_key": task.key, "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
+        **{k: v for k, v in task.extra.items() if k not in ("prompt_key", "batch_num", "timestamp", "model")},
+        "group_id": task.group_id or task.key, "sample_index": task.sample_index,
         "format_version": trajectory.FORMAT_VERSION,
         "toolsets_sampled": task.toolsets_sampled, "toolsets_offered": task.toolsets_offered,
         "request": request_provenance(settings, conv.served_by),
@@ -126,7 +126,7 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
     }
     return {
-        "prompt_index": task.prompt_index, "conversations": turns, "tools": conv.tools, "metadata": metadata,
+        "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not conv.completed, "api_calls": len(conv.replies),
         "toolsets_used": task.toolsets_offered, "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},

@@ -174,15 +174,14 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
 def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, started: float) -> int:
     """Merge, write statistics.json, show the summary; the exit status says how the run ended."""
     opts, check = prepared.opts, prepared.check
-    merged = merge.merge(prepared.run_dir, opts.keep_hallucinated, opts.require_verified)
-    stats = merge.statistics(merged, {
+    stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
         "remaining_not_run": outcome.not_run, "invalid_lines_skipped": check.error_count,
         "duration_seconds": round(time.monotonic() - started, 3),
         "duration_seconds_total": round(previous + time.monotonic() - started, 3),
     })
-    store.write_json(prepared.run_dir / "statistics.json", stats)
+    store.write_json(prepared.run_dir / merge.STATISTICS, stats)
     console.summary(stats)
     if outcome.fatal:
         console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:")

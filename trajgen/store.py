@@ -4,8 +4,9 @@ Files: batch_<N>.jsonl (ok rows), discarded.jsonl and failures.jsonl (side recor
 journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manifest.json (the
 run's settings), checkpoint.json (progress), statistics.json and trajectories.jsonl (the merge).
 Rows are appended as whole lines with one write and fsynced per batch; the JSON files are
-replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh line, so a line torn by a kill or a full disk never swallows the
-next record; a full disk stops the run with DiskFull and the rows already written kept.
+replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh
+line, so a line torn by a kill or a full disk never swallows the next record; a full disk stops
+the run with DiskFull and the rows already written kept.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from trajgen import locks
 from trajgen.errors import DiskFull, UsageError
 
 BATCH_FILE = re.compile(r"batch_(\d+)\.jsonl$")
+ROW_START = re.compile(rb'\{"prompt_index":\d+,"metadata":\{"prompt_key":"([^"\\]+)"')  # as agent.py writes a row
 DISCARDED = "discarded.jsonl"
 FAILURES = "failures.jsonl"
 CHECKPOINT = "checkpoint.json"
@@ -118,23 +120,44 @@ def batch_files(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def read_records(path: Path, torn: list[str]) -> Iterator[dict]:
-    """Whole, parseable lines only; a torn line (a kill mid-write) is reported in `torn`, never returned."""
+def read_lines(path: Path, torn: list[str]) -> Iterator[tuple[bytes, dict]]:
+    """Whole, parseable lines only, each with its record; a torn line (a kill mid-write) is
+    reported in `torn`, never returned."""
     if not path.exists():
         return
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            if raw == b"\n":  # the fresh line started after a torn one
-                continue
-            try:
-                if not raw.endswith(b"\n"):
-                    raise ValueError("no line end")
-                record = orjson.loads(raw)
-            except ValueError:
-                torn.append(f"{path.name}:{number}")
-                continue
-            if isinstance(record, dict):
-                yield record
+            if (record := _parse(raw, path, number, torn)) is not None:
+                yield raw, record
+
+
+def read_records(path: Path, torn: list[str]) -> Iterator[dict]:
+    return (record for _, record in read_lines(path, torn))
+
+
+def _parse(raw: bytes, path: Path, number: int, torn: list[str]) -> dict | None:
+    if raw == b"\n":  # the fresh line started after a torn one
+        return None
+    try:
+        if not raw.endswith(b"\n"):
+            raise ValueError("no line end")
+        record = orjson.loads(raw)
+    except ValueError:
+        torn.append(f"{path.name}:{number}")
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _row_keys(path: Path, torn: list[str], settled: bool) -> Iterator[str]:
+    """The keys of a batch file's rows. A settled file (fsynced, then listed by a checkpoint
+    written after its last change) holds whole lines written by this module, so a line that
+    starts and ends as a row does is not parsed: parsing 5 KB rows was most of a resume's scan."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if settled and (start := ROW_START.match(raw)) and raw.endswith(b"}\n"):
+                yield start.group(1).decode()
+            elif (row := _parse(raw, path, number, torn)) is not None and (key := row_key(row)):
+                yield key
 
 
 @dataclass
@@ -156,11 +179,10 @@ def row_key(row: dict) -> str | None:
 
 def scan(run_dir: Path) -> Scan:
     result = Scan()
+    listed, written = set(read_checkpoint(run_dir).get("batch_files", [])), _mtime(run_dir / CHECKPOINT)
     for number, path in batch_files(run_dir):
         result.next_batch = number + 1
-        for row in read_records(path, result.torn):
-            if key := row_key(row):
-                result.done.add(key)
+        result.done.update(_row_keys(path, result.torn, number in listed and _mtime(path) <= written))
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
@@ -175,10 +197,17 @@ def scan(run_dir: Path) -> Scan:
         except FileNotFoundError:
             pass
     present = {number for number, _ in batch_files(run_dir)}
-    missing = [f"batch_{n}.jsonl" for n in read_checkpoint(run_dir).get("batch_files", []) if n not in present]
+    missing = [f"batch_{n}.jsonl" for n in sorted(listed) if n not in present]
     if missing:
         result.notes.append(f"{', '.join(missing)} written by an earlier run are gone: their prompts run again")
     return result
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return -1
 
 
 def _without(lines: bytes, landed: frozenset[str]) -> bytes:
@@ -197,15 +226,17 @@ def _without(lines: bytes, landed: frozenset[str]) -> bytes:
 class Writer:
     """Appends rows and side records as whole lines. Batch files are opened on their first row;
     when a batch ends, a background thread fsyncs and closes it and then writes the latest
-    checkpoint, so the scheduler never waits on the disk. The checkpoint lists the batch files,
-    so that resume can say which were deleted. The same thread compacts the journal: the entries
+    checkpoint, so the scheduler never waits on the disk. The checkpoint lists the batch files
+    fsynced before it was written, so that resume can say which were deleted and read those it
+    can trust for their keys only. The same thread compacts the journal: the entries
     of prompts that landed are dropped, so it holds only the replies of prompts in flight or failed."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.paths: dict[int, Path] = {}  # open file descriptor -> its file
         self.torn: set[int] = set()  # descriptors whose file may end in a torn line
-        self.files = {number for number, _ in batch_files(run_dir)}
+        present = {number for number, _ in batch_files(run_dir)}
+        self.synced = present & set(read_checkpoint(run_dir).get("batch_files", []))  # a crashed run's others never were
         self.batches: dict[int, int] = {}  # batch number -> open file descriptor
         self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
         self._jobs: queue.Queue = queue.Queue()
@@ -248,7 +279,6 @@ class Writer:
     def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
         if batch_num not in self.batches:
             self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
-            self.files.add(batch_num)
         self._append(self.batches[batch_num], row)
         self.landed.add(key)
 
@@ -306,7 +336,7 @@ class Writer:
         self._append(self.side[FAILURES], record)
 
     def end_batch(self, batch_num: int) -> None:
-        self._jobs.put(self.batches.pop(batch_num, None))
+        self._jobs.put((batch_num, self.batches.pop(batch_num, None)))
         with self._journal_lock:  # a compaction may be swapping the journal's descriptor
             size = os.fstat(self.journal_fd).st_size
         if size >= max(COMPACT_AT, 2 * self._compacted_size):
@@ -316,7 +346,7 @@ class Writer:
         """Written after everything queued before it is on disk; newer payloads replace older unwritten ones."""
         with self._lock:
             queued = self._checkpoint is not None
-            self._checkpoint = {**payload, "batch_files": sorted(self.files)}
+            self._checkpoint = payload
         if not queued:
             self._jobs.put("checkpoint")
 
@@ -326,29 +356,38 @@ class Writer:
                 if job == "checkpoint":
                     with self._lock:
                         payload, self._checkpoint = self._checkpoint, None
-                    write_json(self.run_dir / CHECKPOINT, payload)
-                elif isinstance(job, tuple):
+                    self._write_checkpoint(payload)
+                elif job[0] == "compact":
                     self._compact(job[1])
                 else:
                     for fd in (*self.side.values(), self.journal_fd):
                         with writing(self.paths[fd]):
                             os.fsync(fd)
-                    if job is not None:
-                        with writing(self.paths[job]):
-                            os.fsync(job)
-                        os.close(job)
+                    batch_num, fd = job
+                    if fd is not None:
+                        with writing(self.paths[fd]):
+                            os.fsync(fd)
+                        os.close(fd)
+                        self.synced.add(batch_num)
             except BaseException as e:  # surfaced to the scheduler at its next write or at close
                 self._error = self._error or e
 
+    def _write_checkpoint(self, payload: dict) -> None:
+        write_json(self.run_dir / CHECKPOINT, {**payload, "batch_files": sorted(self.synced)})
+
     def close(self, final_checkpoint: dict) -> None:
-        """Flush everything; the final checkpoint is written last, after every batch is on disk."""
+        """Flush everything; the final checkpoint is written last, after every batch is on disk
+        (a checkpoint still queued may be ahead of the last batches)."""
         for batch_num in list(self.batches):
             self.end_batch(batch_num)
         self._compact_later()
-        self._jobs.put(None)
-        self.checkpoint(final_checkpoint)
+        self._jobs.put((None, None))
         self._jobs.put("stop")
         self._thread.join()
+        try:
+            self._write_checkpoint(final_checkpoint)
+        except BaseException as e:
+            self._error = self._error or e
         for fd in (*self.side.values(), self.journal_fd):
             os.close(fd)
         self.side = {}
