@@ -211,3 +211,17 @@ def test_resume_of_a_finished_run_rewrites_nothing_unless_a_file_changed(cli, sc
     assert [r["prompt"] for r in server.requests()[3:]] == [broken]
     assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == ["a", "b", "c"]
     assert json.loads((run_dir / "statistics.json").read_text())["torn_lines_ignored"] == ["batch_0.jsonl:2"]
+
+
+def test_rows_copied_into_the_run_directory_twice_are_merged_once(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in "abcd"])
+    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
+    run_dir = cli.run_dir()
+    (run_dir / "batch_7.jsonl").write_bytes((run_dir / "batch_1.jsonl").read_bytes())  # a backup put back, say
+    again = cli.run(*cli.args(server, batch_size=2, resume=True))
+    assert again.returncode == 0, again.stderr
+    assert len(server.requests()) == 4
+    assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == ["a", "b", "c", "d"]
+    stats = json.loads((run_dir / "statistics.json").read_text())
+    assert (stats["kept"], stats["duplicate_rows_ignored"]) == (4, 2)

@@ -10,9 +10,12 @@ import hashlib
 import math
 import os
 import tempfile
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
+from typing import Iterable
 
 import orjson
 
@@ -155,7 +158,9 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
     """Write trajectories.jsonl (atomically) and count everything on the way. The filters
     (hallucinated tools, --require_verified) act here only: the batch files keep every row."""
     result = Merged()
-    seen: set[str] = set()
+    latest = _latest_failures(run_dir, result)
+    first = _FirstTime(chain(store.row_keys(run_dir, []),
+                             (r.get("prompt_key") for r in store.read_records(run_dir / store.DISCARDED, []))))
     with store.writing(run_dir / TRAJECTORIES):  # a full disk: DiskFull, the batch files intact
         fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
         try:
@@ -165,10 +170,10 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
                 for _, path in batches:
                     for line, row in store.read_lines(path, result.torn):
                         key = store.row_key(row)
-                        if key is None or key in seen:
+                        if key is None or not first(key):
                             result.duplicates_skipped += 1
                             continue
-                        seen.add(key)
+                        latest.pop(key, None)
                         result.verification.add(row)
                         where = group(bool(row["metadata"].get("hallucinated_tools")),
                                       verify.status(row) == Verdict.PASSED.value, keep_hallucinated, require_verified)
@@ -183,19 +188,51 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
             raise
     for record in store.read_records(run_dir / store.DISCARDED, result.torn):
         key = record.get("prompt_key")
-        if key in seen:
+        if not first(key):
             continue
-        seen.add(key)
+        latest.pop(key, None)
         result.discarded_by_reason[record.get("reason", "unknown")] += 1
         result.discarded.add(record.get("row") or {})
         result.verification.add(record.get("row") or {})
+    result.failed_by_class.update(latest.values())  # the prompts with no row and no discard
+    return result
+
+
+def _latest_failures(run_dir: Path, result: Merged) -> dict[str, str]:
+    """Each failed prompt's error class in its latest attempt; every attempt's usage is counted."""
     latest: dict[str, str] = {}
     for record in store.read_records(run_dir / store.FAILURES, result.torn):
         latest[record.get("prompt_key")] = record.get("error_class", "Exception")
         result.failed_attempts.rows += 1
         result.failed_attempts.add_usage(record.get("usage") or {})
-    result.failed_by_class.update(cls for key, cls in latest.items() if key not in seen)
-    return result
+    return latest
+
+
+class _FirstTime:
+    """Whether a key is met for the first time, holding about 16 bytes per key, not the keys (a
+    set of every key of a 10-million-row run takes over a gigabyte). A first pass over all the
+    keys finds the hashes that come up twice in a bitmap of 64 bits per key; only keys with one
+    of those hashes (the repeated ones and about 1% of the others) are then followed exactly."""
+
+    def __init__(self, keys: Iterable[object]):
+        hashes = array("q", map(hash, keys))
+        size = 64 * len(hashes) + 1
+        bits = bytearray(size // 8 + 1)
+        self.repeated: set[int] = set()
+        for h in hashes:
+            i = h % size
+            if bits[i >> 3] & (1 << (i & 7)):
+                self.repeated.add(h)
+            bits[i >> 3] |= 1 << (i & 7)
+        self.met: set[object] = set()
+
+    def __call__(self, key: object) -> bool:
+        if hash(key) not in self.repeated:
+            return True
+        if key in self.met:
+            return False
+        self.met.add(key)
+        return True
 
 
 def merged_statistics(run_dir: Path, keep_hallucinated: bool, require_verified: bool, header: dict) -> dict:

@@ -177,12 +177,18 @@ def row_key(row: dict) -> str | None:
     return key if isinstance(key, str) else None
 
 
-def scan(run_dir: Path) -> Scan:
-    result = Scan()
+def row_keys(run_dir: Path, torn: list[str]) -> Iterator[str]:
+    """The keys of every row of every batch file, in file order."""
     listed, written = set(read_checkpoint(run_dir).get("batch_files", [])), _mtime(run_dir / CHECKPOINT)
     for number, path in batch_files(run_dir):
-        result.next_batch = number + 1
-        result.done.update(_row_keys(path, result.torn, number in listed and _mtime(path) <= written))
+        yield from _row_keys(path, torn, number in listed and _mtime(path) <= written)
+
+
+def scan(run_dir: Path) -> Scan:
+    result = Scan()
+    result.done.update(row_keys(run_dir, result.torn))
+    present = {number for number, _ in batch_files(run_dir)}
+    result.next_batch = max(present, default=-1) + 1
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
@@ -196,8 +202,7 @@ def scan(run_dir: Path) -> Scan:
             result.notes.append(str(e))
         except FileNotFoundError:
             pass
-    present = {number for number, _ in batch_files(run_dir)}
-    missing = [f"batch_{n}.jsonl" for n in sorted(listed) if n not in present]
+    missing = [f"batch_{n}.jsonl" for n in read_checkpoint(run_dir).get("batch_files", []) if n not in present]
     if missing:
         result.notes.append(f"{', '.join(missing)} written by an earlier run are gone: their prompts run again")
     return result
