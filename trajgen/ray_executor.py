@@ -59,7 +59,8 @@ CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, con
 EVENTS_WINDOW = 0.01
 # the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
 # installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, which in
-# an actor of 140 MB and 30 threads costs about 2,000 page faults per sandbox started
+# an actor of 140 MB and 30 threads costs about 2,000 page faults per sandbox started, and can hang the actor
+# for good (a child waiting in those hooks for a lock another thread held at the fork, with the GIL held above)
 ACTOR_ENV = {"RAY_USE_UVLOOP": "0"}
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
