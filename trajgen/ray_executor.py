@@ -54,8 +54,8 @@ LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per pr
 SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
 CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, control calls (prompts are its own tasks)
 # what happens within this many seconds of an actor's first new event travels in the same `events` reply: a Ray
-# call costs the actor and the driver about 2 ms of CPU each here (a pipe message 0.03), and a busy actor's sandboxes
-# finish a few ms apart, which would otherwise be two calls per prompt
+# call costs the actor and the driver about 2 ms of CPU each (measured on 2 busy cores), and a busy actor's
+# sandboxes finish a few ms apart, which made two `events` calls per prompt; now one
 EVENTS_WINDOW = 0.01
 # the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
 # installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, which in
