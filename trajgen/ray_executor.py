@@ -6,9 +6,11 @@ run directory and files, resume and statistics are those of a process-pool run. 
 asyncio actor running `_Worker.run_one` (the process pool's own code) for many conversations at
 once, with its sandboxes on the node it landed on. As on the process pool's pipes, traffic goes in
 batches: the prompts for an actor in one `submit` call per poll, everything it has to say (outcomes
-included) in the reply to one long-polled `events` call. The driver keeps each actor's prompts in
-flight; when an actor or its node dies, Ray restarts the actor where it can, and its prompts run
-again, up to `crash_retries` times, before they come back failed as WorkerCrashed.
+included) in the reply to one long-polled `events` call, which gathers what happens within 10 ms of
+its first event. An actor runs asyncio's own event loop, as a pool worker does (not uvloop). The
+driver keeps each actor's prompts in flight; when an actor or its node dies, Ray restarts the actor
+where it can, and its prompts run again, up to `crash_retries` times, before they come back failed
+as WorkerCrashed.
 
 Each actor checks its own node when it starts (bubblewrap, the tools' programs, the images its
 prompts name) and reports what is missing; the driver names it once per node and sends a prompt
@@ -51,6 +53,15 @@ STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and 
 LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
 SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
 CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, control calls (prompts are its own tasks)
+# what happens within this many seconds of an actor's first new event travels in the same `events` reply: a Ray
+# call costs the actor and the driver about 2 ms of CPU each (measured on 2 busy cores), and a busy actor's
+# sandboxes finish a few ms apart, which made two `events` calls per prompt; now one
+EVENTS_WINDOW = 0.01
+# the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
+# installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, which in
+# an actor of 140 MB and 30 threads costs about 2,000 page faults per sandbox started, and can hang the actor
+# for good (a child waiting in those hooks for a lock another thread held at the fork, with the GIL held above)
+ACTOR_ENV = {"RAY_USE_UVLOOP": "0"}
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
 
@@ -133,7 +144,7 @@ class _RayWorker:
         """What happened since the last call, once something has; a Finished event is a prompt's outcome."""
         self._check(epoch)
         await self.news.wait()
-        await asyncio.sleep(0)  # the rest of this turn's events come in the same reply
+        await asyncio.sleep(EVENTS_WINDOW)  # the events of the next few ms come in the same reply
         self._check(epoch)
         self.news.clear()
         messages, self.outbox = self.outbox, []
@@ -192,7 +203,7 @@ class RayPool:
             self._init_ray()
             self.actor_class = ray.remote(_RayWorker).options(
                 num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
-                max_restarts=-1, max_concurrency=CALLS,
+                max_restarts=-1, max_concurrency=CALLS, runtime_env={"env_vars": ACTOR_ENV},
                 scheduling_strategy="SPREAD",  # over the nodes: each brings its own cores for the sandboxes
             )
             self._grow(self.num_workers or self._fits())
