@@ -225,3 +225,14 @@ def test_rows_copied_into_the_run_directory_twice_are_merged_once(cli, scripted_
     assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == ["a", "b", "c", "d"]
     stats = json.loads((run_dir / "statistics.json").read_text())
     assert (stats["kept"], stats["duplicate_rows_ignored"]) == (4, 2)
+
+
+def test_resuming_a_finished_run_starts_no_worker_and_no_cluster(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in "ab"])
+    assert cli.run(*cli.args(server)).returncode == 0
+    # a Ray cluster that is not there: nothing is left to run, so nothing asks for it
+    done = cli.run(*cli.args(server, resume=True, force=True), "--executor=ray", "--ray_address=127.0.0.1:9")
+    assert done.returncode == 0, done.stderr
+    assert len(server.requests()) == 2
+    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["a", "b"]

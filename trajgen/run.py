@@ -152,9 +152,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
                           opts.verbose, opts.cache_dir, opts.verify_timeout)
-    workers = None if auto else min(opts.num_workers, max(1, prepared.plan.remaining))
-    if opts.executor == "processes":
-        pool = ProcessPool(workers, config)
+    workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
+    if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
+        pool = ProcessPool(workers or 0, config)
     else:
         from trajgen.ray_executor import make_executor
         pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory,

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
@@ -194,6 +195,7 @@ class Scheduler:
     def execute(self, tasks: Iterator[Task], on_exit: Callable[[], None]) -> RunEnd:
         """Run the plan; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
         signals = _Signals(lambda: self.leave_now(on_exit))
+        tasks = islice(tasks, self.plan.remaining)  # the plan as counted: a line added since waits for a resume
         self.pool.start()
         progress = console.progress_bar()
         bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
