@@ -205,10 +205,14 @@ def test_resume_of_a_finished_run_rewrites_nothing_unless_a_file_changed(cli, sc
     middle = len(lines[1]) // 2
     batch.write_text(lines[0] + lines[1][:middle] + '"' + lines[1][middle:] + "".join(lines[2:]))
     (run_dir / "trajectories.jsonl").unlink()
+    server.set_script({"default": [{"status": 500, "error": "down"}]})  # its first retry fails...
+    failed = cli.run(*cli.args(server, resume=True, max_retries=0))
+    assert failed.returncode == 1 and "batch_0.jsonl:2" in failed.stderr
+    server.set_script({"default": [think()]})  # ...and the next resume still knows the line is no row
     fixed = cli.run(*cli.args(server, resume=True))
     assert fixed.returncode == 0, fixed.stderr
     assert "batch_0.jsonl:2" in fixed.stderr
-    assert [r["prompt"] for r in server.requests()[3:]] == [broken]
+    assert [r["prompt"] for r in server.requests()[3:]] == [broken, broken]
     assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == ["a", "b", "c"]
     assert json.loads((run_dir / "statistics.json").read_text())["torn_lines_ignored"] == ["batch_0.jsonl:2"]
 

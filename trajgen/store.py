@@ -177,11 +177,17 @@ def row_key(row: dict) -> str | None:
     return key if isinstance(key, str) else None
 
 
+def settled(run_dir: Path) -> set[int]:
+    """The batch files a checkpoint lists as fsynced and that have not changed since it was written."""
+    listed, written = set(read_checkpoint(run_dir).get("batch_files", [])), _mtime(run_dir / CHECKPOINT)
+    return {number for number, path in batch_files(run_dir) if number in listed and _mtime(path) <= written}
+
+
 def row_keys(run_dir: Path, torn: list[str]) -> Iterator[str]:
     """The keys of every row of every batch file, in file order."""
-    listed, written = set(read_checkpoint(run_dir).get("batch_files", [])), _mtime(run_dir / CHECKPOINT)
+    trusted = settled(run_dir)
     for number, path in batch_files(run_dir):
-        yield from _row_keys(path, torn, number in listed and _mtime(path) <= written)
+        yield from _row_keys(path, torn, number in trusted)
 
 
 def scan(run_dir: Path) -> Scan:
@@ -240,8 +246,8 @@ class Writer:
         self.run_dir = run_dir
         self.paths: dict[int, Path] = {}  # open file descriptor -> its file
         self.torn: set[int] = set()  # descriptors whose file may end in a torn line
-        present = {number for number, _ in batch_files(run_dir)}
-        self.synced = present & set(read_checkpoint(run_dir).get("batch_files", []))  # a crashed run's others never were
+        # fsynced, and unchanged since: a crashed run's others never were, one edited by hand is no longer
+        self.synced = settled(run_dir)
         self.batches: dict[int, int] = {}  # batch number -> open file descriptor
         self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
         self._jobs: queue.Queue = queue.Queue()
