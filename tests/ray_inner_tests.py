@@ -68,6 +68,12 @@ def actor_pids() -> list[int]:
     return sorted(pids)
 
 
+def assert_actors_without_uvloop() -> None:
+    """uvloop starts each sandbox's process with a fork of the whole actor (twice its CPU, and a hang once)."""
+    for pid in wait_for(actor_pids, what="an actor"):
+        assert b"RAY_USE_UVLOOP=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 def wait_for(predicate, timeout: float = 60, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -263,6 +269,7 @@ def test_cli_ray_actor_killed_mid_run_loses_and_repeats_nothing(cli, scripted_se
     process = cli.start(*cli.args(server, batch_size=5, concurrency=8, executor="ray"))
     try:
         wait_for(lambda: rows_landed(cli.run_dir()) >= 5, what="5 rows")
+        assert_actors_without_uvloop()  # a private instance's actors, which inherit it from the driver
         os.kill(wait_for(actor_pids, what="an actor")[0], signal.SIGKILL)
         _, stderr = process.communicate(timeout=180)
     finally:
@@ -414,6 +421,7 @@ def test_cluster_node_without_bubblewrap_takes_no_sandboxed_prompt(cluster, scri
             pool.submit(task)
         messages = _drain(pool, until=lambda: not pool.inflight and all(s.up for s in pool.slots))
         reports = {slot.report.node: slot.report.missing for slot in pool.slots}
+        assert_actors_without_uvloop()  # a cluster's actors, which get it from their runtime environment
     finally:
         pool.close()
         cluster.remove(node)

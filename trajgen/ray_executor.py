@@ -7,10 +7,10 @@ asyncio actor running `_Worker.run_one` (the process pool's own code) for many c
 once, with its sandboxes on the node it landed on. As on the process pool's pipes, traffic goes in
 batches: the prompts for an actor in one `submit` call per poll, everything it has to say (outcomes
 included) in the reply to one long-polled `events` call, which gathers what happens within 10 ms of
-its first event. An actor runs asyncio's own event loop, as a pool worker does (not uvloop). The
-driver keeps each actor's prompts in flight; when an actor or its node dies, Ray restarts the actor
-where it can, and its prompts run again, up to `crash_retries` times, before they come back failed
-as WorkerCrashed.
+its first urgent event (a reply paid for waits up to 100 ms for one). An actor runs asyncio's own
+event loop, as a pool worker does (not uvloop). The driver keeps each actor's prompts in flight; when
+an actor or its node dies, Ray restarts the actor where it can, and its prompts run again, up to
+`crash_retries` times, before they come back failed as WorkerCrashed.
 
 Each actor checks its own node when it starts (bubblewrap, the tools' programs, the images its
 prompts name) and reports what is missing; the driver names it once per node and sends a prompt
@@ -34,7 +34,7 @@ from typing import Any
 
 from trajgen import registry
 from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
-from trajgen.messages import Cancelled, Event, Fatal, Finished, Log
+from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Throttled
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
@@ -57,10 +57,17 @@ CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, con
 # call costs the actor and the driver about 2 ms of CPU each (measured on 2 busy cores), and a busy actor's
 # sandboxes finish a few ms apart, which made two `events` calls per prompt; now one
 EVENTS_WINDOW = 0.01
+# a reply paid for (Replied, for the journal) or a log line does not start an `events` reply of its own: it waits
+# up to this long for an outcome to travel with (a prompt's first reply comes back mid-prompt: one Ray call per
+# prompt, not two); the outcomes, a 429 and a fatal error go at once
+NOT_URGENT_DELAY = 0.1
+URGENT = (Finished, Fatal, Throttled, Cancelled)
 # the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
 # installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, which in
 # an actor of 140 MB and 30 threads costs about 2,000 page faults per sandbox started, and can hang the actor
-# for good (a child waiting in those hooks for a lock another thread held at the fork, with the GIL held above)
+# for good (a child waiting in those hooks for a lock another thread held at the fork, with the GIL held above).
+# A private instance's actors inherit it from this process, so they start in the workers Ray has already
+# started (1.6 s sooner than in workers made for a runtime environment); a cluster's actors get it from theirs.
 ACTOR_ENV = {"RAY_USE_UVLOOP": "0"}
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
@@ -113,11 +120,15 @@ class _RayWorker:
         self.epoch: int | None = None  # set by the driver's `ready`
         self.outbox: list[Event] = []
         self.news = asyncio.Event()
+        self.later: asyncio.TimerHandle | None = None  # wakes `events` for what is not urgent
         self.worker = _Worker(config, self._send)
 
     def _send(self, message: Event) -> None:
         self.outbox.append(message)
-        self.news.set()
+        if isinstance(message, URGENT):
+            self.news.set()
+        elif self.later is None:
+            self.later = asyncio.get_running_loop().call_later(NOT_URGENT_DELAY, self.news.set)
 
     async def ready(self, epoch: int) -> NodeReport:
         """Answers once this actor (or its restarted self, perhaps on another node) is up: what its node lacks.
@@ -147,6 +158,9 @@ class _RayWorker:
         await asyncio.sleep(EVENTS_WINDOW)  # the events of the next few ms come in the same reply
         self._check(epoch)
         self.news.clear()
+        if self.later:
+            self.later.cancel()
+            self.later = None
         messages, self.outbox = self.outbox, []
         return messages
 
@@ -203,7 +217,8 @@ class RayPool:
             self._init_ray()
             self.actor_class = ray.remote(_RayWorker).options(
                 num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
-                max_restarts=-1, max_concurrency=CALLS, runtime_env={"env_vars": ACTOR_ENV},
+                max_restarts=-1, max_concurrency=CALLS,
+                runtime_env={"env_vars": ACTOR_ENV} if self.address else None,
                 scheduling_strategy="SPREAD",  # over the nodes: each brings its own cores for the sandboxes
             )
             self._grow(self.num_workers or self._fits())
@@ -240,17 +255,18 @@ class RayPool:
         """Join `address`, or start a private local instance: on loopback only, its files in a temp dir,
         room for every worker whatever the core count, token auth with a fresh token in the
         environment (nothing written to ~/.ray; Ray turns token auth on itself, before it reads the mode),
-        and no usage statistics sent to Ray's makers (on by default, even without the dashboard).
+        no usage statistics sent to Ray's makers (on by default, even without the dashboard), and the
+        actors' environment (ACTOR_ENV) in ours, for the processes Ray starts to inherit.
         The actors print nothing (their events carry the logs), so nothing streams their output here."""
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
                                    "log_to_driver": False}
         if self.address is None:
             self.temp_dir = tempfile.mkdtemp(prefix="trajgen-ray-")
-            self.saved_env = {name: os.environ.get(name)
-                              for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")}
-            os.environ.setdefault("RAY_AUTH_TOKEN", LOCAL_TOKEN)
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ours = {"RAY_AUTH_TOKEN": LOCAL_TOKEN, "RAY_USAGE_STATS_ENABLED": "0", **ACTOR_ENV}
+            self.saved_env = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", *ours)}
+            for name, value in ours.items():
+                os.environ.setdefault(name, value)
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             cpus = max(os.cpu_count() or 1, math.ceil((self.num_workers or 0) * self.worker_cpus))
             options.update(address="local", num_cpus=cpus, _temp_dir=self.temp_dir, _node_ip_address="127.0.0.1")
