@@ -371,12 +371,14 @@ def dataset(n: int) -> Path:
     return path
 
 
-def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int, extra: tuple = ()) -> list[str]:
+def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int, extra: tuple = (),
+             flags: tuple[str, ...] | None = None) -> list[str]:
+    """`flags`: the run's own flags, --cli-flags when None."""
     return [
         sys.executable, "batch_runner.py", f"--dataset_file={data}", f"--run_name={run_name}",
         f"--output_dir={OUT / 'runs'}", f"--base_url={url}", "--api_key=dummy", "--model=bench",
         "--require_reasoning=False", "--distribution=terminal_only", f"--num_workers={workers}",
-        f"--concurrency={concurrency}", *extra, *CLI_FLAGS,
+        f"--concurrency={concurrency}", *extra, *(CLI_FLAGS if flags is None else flags),
     ]
 
 

@@ -95,6 +95,33 @@ def rows_diag(res: dict) -> list[Row]:
     return _throughput_rows(res, "diagnosis", {"2x256-notools": 0.80})
 
 
+def rows_versus(res: dict) -> list[Row]:
+    """The pairs of section versus: with the flags over without, by the steady rate (throughput once
+    going) and by the duration (start-up and the last stragglers included)."""
+    pairs = res["pairs"]
+    rate = [p["with"]["steady_rate"] / p["without"]["steady_rate"] for p in pairs
+            if p["with"].get("steady_rate") and p["without"].get("steady_rate")]
+    wall = [p["without"]["duration_s"] / p["with"]["duration_s"] for p in pairs
+            if p["with"]["duration_s"] and p["without"]["duration_s"]]
+
+    def fixed(which: str) -> float | None:  # seconds beyond what the steady rate accounts for
+        return median([p[which]["duration_s"] - res["n"] / p[which]["steady_rate"] for p in pairs
+                       if p[which]["duration_s"] and p[which].get("steady_rate")])
+
+    def rates(which: str) -> str:
+        return ", ".join(_fmt(p[which].get("steady_rate"), 1) for p in pairs)
+
+    ratio = median(rate)
+    target = 0.9 if "--executor=ray" in res["flags"] else None  # the Ray executor against the process pool
+    note = (f"{len(pairs)} pairs, each run without the flags then with them; steady rate ratios "
+            f"{', '.join(f'{r:.2f}' for r in rate)} (prompts/s without: {rates('without')}; with: {rates('with')}); "
+            f"by duration {_fmt(median(wall))} ({spread(wall)}); seconds beyond the steady rate "
+            f"(start-up, the last prompts, shutdown) without {_fmt(fixed('without'), 1)}, with {_fmt(fixed('with'), 1)}")
+    return [Row("versus", f"N={res['n']:,} --num_workers={res['workers']} --concurrency={res['concurrency']}: "
+                          f"{res['flags']} vs without", f"throughput ratio {_fmt(ratio)}",
+                f">= {target}" if target else "", _verdict(ratio >= target if target and ratio else None), note)]
+
+
 def rows_pool(res: dict) -> list[Row]:
     rows = []
     for key, runs in res["runs"].items():
@@ -262,7 +289,7 @@ def rows_profile(res: dict) -> list[Row]:
 
 
 ROW_BUILDERS = {"throughput": rows_throughput, "overhead": rows_overhead, "scale": rows_scale, "diag": rows_diag,
-                "pool": rows_pool, "sandbox": rows_sandbox, "profile": rows_profile}
+                "pool": rows_pool, "sandbox": rows_sandbox, "profile": rows_profile, "versus": rows_versus}
 
 
 def section_order(results: dict) -> list[str]:

@@ -29,10 +29,13 @@ call), pool (the HTTP client alone: httpx vs httpx2 vs aiohttp under openai.Asyn
 (the local bubblewrap sandbox alone), profile (py-spy). --cli-root=DIR --tag=NAME runs the CLI of
 another tree (e.g. `git archive 62d04ad | tar -x -C bench/out/trees/62d04ad`) and keeps its
 results apart, for before/after comparisons; --cli-flags=--executor=ray --tag=ray does the same for
-the Ray executor, run inside a loopback-only network namespace:
+the Ray executor, run inside a loopback-only network namespace. Section versus (with --cli-flags)
+runs the first throughput configuration without the flags and with them, alternately, and reports
+the median ratio of the pairs (Ray against the process pool, the two runs of a pair a minute
+apart, where separate invocations were many minutes apart):
 
     unshare --net --pid --fork --mount-proc sh -c 'ip link set lo up && exec python bench/run.py \
-        --sections=throughput --cli-flags=--executor=ray --tag=ray'
+        --sections=versus --repeats=5 --cli-flags=--executor=ray --tag=ray'
 
 
 Every CLI run waits first (up to --quiet-wait s) for the machine to be quiet, and records how busy
@@ -67,6 +70,7 @@ from sections import (
     section_sandbox,
     section_scale,
     section_throughput,
+    section_versus,
 )
 from report import (
     build_rows,
@@ -79,7 +83,8 @@ from report import (
 
 
 SECTIONS = {"throughput": section_throughput, "overhead": section_overhead, "scale": section_scale,
-            "profile": section_profile, "diag": section_diag, "pool": section_pool, "sandbox": section_sandbox}
+            "profile": section_profile, "diag": section_diag, "pool": section_pool, "sandbox": section_sandbox,
+            "versus": section_versus}
 
 
 def _run_records(obj):
@@ -97,7 +102,8 @@ def _run_records(obj):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default="throughput,overhead,scale",
-                   help="comma list of throughput, overhead, scale, diag, pool, sandbox, profile (default: the first three)")
+                   help="comma list of throughput, overhead, scale, diag, pool, sandbox, profile, versus "
+                   "(default: the first three)")
     p.add_argument("--quick", action="store_true", help="small N and one repeat")
     p.add_argument("--repeats", type=int, help="repeats per configuration (default 3; 1 with --quick)")
     p.add_argument("--n-throughput", type=int, help="prompts in the throughput and profile runs (default 2000)")
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
     harness.CLI_FLAGS = tuple(args.cli_flags.split())
     if harness.CLI_FLAGS and not args.tag:
         raise SystemExit("--cli-flags needs --tag (the results of other flags are kept apart)")
-    head = args.tag or git_head()
+    head = args.tag if args.cli_root else git_head()  # --cli-flags runs this tree
     harness.KEEP_RUNS = args.keep_runs
     QUIET.update(threshold=args.quiet_threshold, max_wait=args.quiet_wait)
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -35,9 +35,10 @@ from harness import (
 LATENCY = 0.25
 
 
-def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str) -> dict:
+def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str,
+                     flags: tuple[str, ...] | None = None) -> dict:
     """Latency 0.25 s, two replies: reply 0 calls `terminal` (echo hi), or without tools a tool the
-    run does not offer (answered at once, no sandbox); reply 1 ends."""
+    run does not offer (answered at once, no sandbox); reply 1 ends. `flags`: as cli_argv's."""
     data = dataset(n)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     servers = {}
@@ -52,8 +53,8 @@ def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int,
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
                 _fresh(name)
                 say(f"{tag} {name}: ideal {ideal:.1f} s")
-                r = run_cli(cli_argv(data, name, servers[tools].url, workers, conc), name, n, servers[tools],
-                            timeout=max(300.0, 10 * ideal), sample_rss=False, prompt_walls=True)
+                r = run_cli(cli_argv(data, name, servers[tools].url, workers, conc, flags=flags), name, n,
+                            servers[tools], timeout=max(300.0, 10 * ideal), sample_rss=False, prompt_walls=True)
                 _drop(name, harness.KEEP_RUNS)
                 eff = ideal / r.duration_s if r.duration_s else None
                 say(f"  duration {r.duration_s} s, wall {r.wall_s:.2f} s, efficiency {eff and round(eff, 3)}, "
@@ -72,6 +73,23 @@ def section_throughput(args) -> dict:
         configs = [(*(int(x) for x in c.split("x")), True) for c in args.throughput_configs.split(",")]
     return {"n": args.n_throughput, "latency": LATENCY,
             "configs": _throughput_runs(configs, args.n_throughput, args.repeats, "tp")}
+
+
+def section_versus(args) -> dict:
+    """The first throughput configuration without --cli-flags and with them, alternately (A B A B ...), so
+    that each pair meets the same machine: separate invocations minutes apart moved the ratio by 0.2."""
+    if not harness.CLI_FLAGS:
+        raise ValueError("section versus compares runs with --cli-flags against runs without: give --cli-flags")
+    workers, conc = (int(x) for x in (args.throughput_configs or "2x64").split(",")[0].split("x"))
+    pairs = []
+    for rep in range(args.repeats):
+        pair = {}
+        for which, flags in (("without", ()), ("with", None)):
+            runs = _throughput_runs([(workers, conc, True)], args.n_throughput, 1, f"vs-{which}-r{rep}", flags)
+            pair[which] = next(iter(runs.values()))[0]
+        pairs.append(pair)
+    return {"n": args.n_throughput, "latency": LATENCY, "workers": workers, "concurrency": conc,
+            "flags": " ".join(harness.CLI_FLAGS), "pairs": pairs}
 
 
 def section_diag(args) -> dict:
