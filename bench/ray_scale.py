@@ -137,7 +137,7 @@ def main() -> None:
     if not in_loopback_namespace():
         if os.environ.get("RAY_SCALE_INNER"):
             raise SystemExit("refusing to start Ray outside a loopback-only network namespace")
-        inner = 'ip link set lo up && exec "$0" "$@"'
+        inner = 'ip link set lo up && "$0" "$@"'  # sh stays PID 1 and reaps the orphans it adopts
         done = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount-proc", "sh", "-c", inner,
                                sys.executable, *sys.argv], env={**os.environ, "RAY_SCALE_INNER": "1"})
         raise SystemExit(done.returncode)

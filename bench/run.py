@@ -32,9 +32,11 @@ results apart, for before/after comparisons; --cli-flags=--executor=ray --tag=ra
 the Ray executor, run inside a loopback-only network namespace. Section versus (with --cli-flags)
 runs the first throughput configuration without the flags and with them, alternately, and reports
 the median ratio of the pairs (Ray against the process pool, the two runs of a pair a minute
-apart, where separate invocations were many minutes apart):
+apart, where separate invocations were many minutes apart). sh, not Python, must be the
+namespace's PID 1: it reaps the orphans it adopts (a Python PID 1 collected them as zombies and
+slowed the machine run after run):
 
-    unshare --net --pid --fork --mount-proc sh -c 'ip link set lo up && exec python bench/run.py \
+    unshare --net --pid --fork --mount-proc sh -c 'ip link set lo up && python bench/run.py \
         --sections=versus --repeats=5 --cli-flags=--executor=ray --tag=ray'
 
 

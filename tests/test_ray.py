@@ -52,7 +52,8 @@ def _namespace_problem() -> str | None:
 def test_ray_executor_end_to_end_in_a_private_network_namespace():
     if problem := _namespace_problem():
         pytest.skip(problem)
-    inner = 'ip link set lo up && exec "$0" -m pytest tests/ray_inner_tests.py -q -p no:cacheprovider'
+    # sh stays the namespace's PID 1, which reaps the orphans it adopts (Python there would not)
+    inner = 'ip link set lo up && "$0" -m pytest tests/ray_inner_tests.py -q -p no:cacheprovider'
     done = subprocess.run([*NAMESPACE, "sh", "-c", inner, sys.executable], cwd=ROOT, capture_output=True,
                           text=True, timeout=1200)
     print(done.stdout[-30000:], done.stderr[-5000:], sep="\n")

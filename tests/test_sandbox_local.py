@@ -18,7 +18,7 @@ from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_s
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.sandbox.roots import sweep_stale_roots
-from tests.conftest import arun
+from tests.conftest import arun, call, read_jsonl, think, write_jsonl
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -318,3 +318,40 @@ def test_a_sandbox_whose_command_loop_dies_is_started_again(config):
     assert (after.output, after.exit_code) == ("still here", 0)
     time.sleep(0.2)
     assert survivors("sleep 4271") == ""
+
+
+def _zombie_children(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    zombies = []
+    for child in children:
+        try:
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                zombies.append(int(child))
+        except OSError:
+            pass
+    return zombies
+
+
+def test_a_runner_that_is_pid_1_is_left_no_zombie_per_sandbox(cli, scripted_server):
+    """In a container without an init the runner is PID 1 and adopts every orphan: a sandbox's end must
+    leave none (each was a zombie, and a PID namespace the kernel kept, for as long as the run lasted)."""
+    server = scripted_server({"prompts": {"last": [{**call("terminal", command="echo hi"), "gate": "end"}, think()]},
+                              "default": [call("terminal", command="echo hi"), think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"prompt {i}"} for i in range(12)] + [{"prompt": "last"}])
+    process = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+                                *cli.command(*cli.args(server))], cwd=cli.cwd, env=cli.env, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while sum(len(read_jsonl(p)) for p in cli.run_dir().glob("batch_*.jsonl")) < 12:  # all but the gated one
+            assert process.poll() is None and time.monotonic() < deadline, "12 prompts did not finish"
+            time.sleep(0.1)
+        runner = int(Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()[0])
+        assert _zombie_children(runner) == []  # 12 sandboxes ended, each before its row was written
+    finally:
+        server.open_gate("end")
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr

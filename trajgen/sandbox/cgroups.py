@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 import os
 import re
-import signal
 import time
 from pathlib import Path
+
+from trajgen.sandbox.process import kill_pids
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
@@ -112,14 +113,9 @@ def _remove(dirs: tuple[Path, ...]) -> None:
     for d in dirs:
         while not _rmdir(d) and time.monotonic() < deadline:
             try:
-                pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+                kill_pids([int(p) for p in (d / "cgroup.procs").read_text().split()])
             except FileNotFoundError:
                 break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.01)
 
 

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import AsyncIterator
 
 from trajgen import locks
@@ -117,9 +118,17 @@ def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, co
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
 
-@functools.cache
+_PROBING = threading.Lock()  # the first prompts of a worker ask at once: one probe answers them all
+
+
 def bwrap_problem() -> str | None:
     """Why bubblewrap cannot run a sandbox here (one line), or None; probed once per process."""
+    with _PROBING:
+        return _bwrap_problem()
+
+
+@functools.cache
+def _bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not installed"
     try:
@@ -129,6 +138,9 @@ def bwrap_problem() -> str | None:
     # the work dir bound is the temp dir itself: a probe killed midway (a Ray actor stopped while it
     # starts) leaves nothing behind
     argv, fds = bwrap_argv(tempfile.gettempdir(), DEFAULT_CWD, False, 1, NOBODY, ["true"])
+    # `true` as the namespace's first process: bwrap's own init would tell bwrap the exit code and be
+    # left to exit alone, an orphan, a zombie for good when the runner is PID 1 (a container without an init)
+    argv.insert(1, "--as-pid-1")
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=sandbox_env(DEFAULT_CWD),
                               pass_fds=fds)

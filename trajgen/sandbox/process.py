@@ -43,6 +43,24 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def kill_pids(pids: list[int]) -> None:
+    """SIGKILL each, those already gone included."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_children(pid: int) -> None:
+    """SIGKILL the children of `pid` (none when it has gone, or the kernel does not list them)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kill_pids([int(child) for child in f.read().split()])
+    except OSError:
+        pass
+
+
 async def run_process(
     argv: list[str],
     timeout: float,

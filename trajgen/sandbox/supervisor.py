@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
 from trajgen.sandbox import ExecResult, SandboxError
-from trajgen.sandbox.process import Capture, kill_group
+from trajgen.sandbox.process import Capture, kill_children, kill_group
 
 LOOP_ARGV = ["bash", "--noprofile", "--norc", "-c", Path(__file__).with_name("supervise.sh").read_text(), "supervise"]
 LOST = "the sandbox stopped unexpectedly; its processes were killed"
 CHUNK = 65536
+REAP_SECONDS = 5.0  # for bwrap to exit once its child, the sandbox's init, is killed; then it is killed too
 
 
 class Reader(Protocol):
@@ -49,9 +50,12 @@ class Channel:
 async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], cwd: str) -> Channel:
     """Start the loop as a child process (in a session of its own) talking over its stdin and stdout.
 
-    The fds are passed to it and closed here. Killing its group kills the sandbox: a PID namespace
-    ends with its first process, and the loop ends at the end of its input even if bwrap's init
-    missed its parent's death (seen under load).
+    The fds are passed to it and closed here. Killing it kills the sandbox: a PID namespace ends
+    with its first process, and the loop ends at the end of its input even if bwrap's init missed
+    its parent's death (seen under load). That init is killed first, so that bwrap reaps it: bwrap
+    leaves it to exit alone when it ends by itself or is killed with bwrap, an orphan for whoever
+    adopts them, and a runner that is PID 1 (a container without an init) never reaped one: a
+    zombie, and a PID namespace kept, per sandbox.
     """
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -65,7 +69,13 @@ async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], 
             os.close(fd)
 
     async def kill() -> None:
+        kill_children(proc.pid)  # the sandbox's init, before the end of input lets it end by itself
         proc.stdin.close()
+        try:
+            async with asyncio.timeout(REAP_SECONDS):
+                await proc.wait()
+        except TimeoutError:
+            pass
         kill_group(proc.pid)
         await proc.wait()
 
