@@ -213,6 +213,8 @@ async def main():
             await ready.wait()
             for i in range(s, total, conc):
                 await command(sandbox)
+            await finished.wait()
+            await measured.wait()  # the sandbox's end is not a command's: it is outside the clock
             await sandbox.close()
             return
         await warm.wait()
@@ -222,14 +224,17 @@ async def main():
             await command(sandbox)
             await sandbox.close()
     warm, ready = asyncio.Barrier(conc + 1), asyncio.Event()
+    finished, measured = asyncio.Barrier(conc + 1), asyncio.Event()
     slots = [asyncio.create_task(slot(s)) for s in range(conc)]
     await warm.wait()
     j0, k0, t0 = jiffies(), kthreads(), time.perf_counter()
     r0 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     ready.set()
-    await asyncio.gather(*slots)
+    await (finished.wait() if variant == "same" else asyncio.gather(*slots))
     r1 = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     j1, k1, t1 = jiffies(), kthreads(), time.perf_counter()
+    measured.set()
+    await asyncio.gather(*slots)
     cpu = sum((b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime) for a, b in zip(r0, r1))
     lat.sort()
     print(json.dumps({"wall_s": t1 - t0, "cpu_s": cpu, "machine_cpu_s": (j1[0] - j0[0]) / os.sysconf("SC_CLK_TCK"),
