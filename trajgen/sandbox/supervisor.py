@@ -25,7 +25,7 @@ from trajgen.sandbox.process import Capture, kill_children, kill_group
 LOOP_ARGV = ["bash", "--noprofile", "--norc", "-c", Path(__file__).with_name("supervise.sh").read_text(), "supervise"]
 LOST = "the sandbox stopped unexpectedly; its processes were killed"
 CHUNK = 65536
-REAP_SECONDS = 5.0  # for bwrap to exit once its child, the sandbox's init, is killed; then it is killed too
+REAP_SECONDS = 5.0  # for bwrap to exit once its child, the sandbox's init, is killed; then its group is killed
 
 
 class Reader(Protocol):
@@ -69,15 +69,15 @@ async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], 
             os.close(fd)
 
     async def kill() -> None:
-        kill_children(proc.pid)  # the sandbox's init, before the end of input lets it end by itself
+        if proc.returncode is None:  # once bwrap is reaped its pid may be another process's
+            kill_children(proc.pid)  # the sandbox's init, before the end of input lets it end by itself
         proc.stdin.close()
         try:
             async with asyncio.timeout(REAP_SECONDS):
                 await proc.wait()
-        except TimeoutError:
-            pass
-        kill_group(proc.pid)
-        await proc.wait()
+        except TimeoutError:  # bwrap lives on: its group goes with it (once reaped, its pid is free for others)
+            kill_group(proc.pid)
+            await proc.wait()
 
     return Channel(proc.stdout, proc.stdin, kill)
 
