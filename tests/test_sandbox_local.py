@@ -18,7 +18,7 @@ from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_s
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.sandbox.roots import sweep_stale_roots
-from tests.conftest import arun, call, read_jsonl, think, write_jsonl
+from tests.conftest import arun, call, think, write_jsonl
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -349,7 +349,8 @@ def test_a_runner_that_is_pid_1_is_left_no_zombie_per_sandbox(cli, scripted_serv
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while sum(len(read_jsonl(p)) for p in cli.run_dir().glob("batch_*.jsonl")) < 12:  # all but the gated one
+        # all but the gated one; whole lines only, so a row being written is never parsed half-way
+        while sum(p.read_bytes().count(b"\n") for p in cli.run_dir().glob("batch_*.jsonl")) < 12:
             assert process.poll() is None and time.monotonic() < deadline, "12 prompts did not finish"
             time.sleep(0.1)
         runner = int(Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()[0])
