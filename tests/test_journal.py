@@ -13,6 +13,9 @@ import orjson
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
 from tests.test_hardening import _asked, _wait_for
 from trajgen import journal, store
+from trajgen.messages import Finished, Replied, without_landed_replies
+from trajgen.model import Reply
+from trajgen.outcome import PromptOutcome, Status
 from trajgen.work import ModelSettings
 
 GATED = {"p1": (1, "kill1"), "p3": (2, "kill1"), "p2": (3, "kill2")}  # prompt -> (turn held, gate)
@@ -176,3 +179,15 @@ def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_pa
         "failed": [{"key": "failed", "turn": 0, "hash": "h", "message": {"content": "failed"}, "usage": {}}],
         "in flight": [{"key": "in flight", "turn": t, "hash": h, "message": {"content": c}, "usage": {}}
                       for t, h, c in ((0, "h", "in flight"), (1, "h2", "later"))]}
+
+
+def test_a_reply_travelling_with_its_landed_outcome_is_not_journaled_and_a_failed_prompts_reply_is():
+    def replied(key: str) -> Replied:
+        return Replied(key, 0, "h", Reply({"content": key}))
+
+    def finished(key: str, status: Status) -> Finished:
+        return Finished(PromptOutcome(key, 0, 0, status))
+
+    events = [replied("ok"), replied("discarded"), replied("failed"), replied("in flight"),
+              finished("ok", Status.OK), finished("discarded", Status.DISCARDED), finished("failed", Status.FAILED)]
+    assert without_landed_replies(events) == [replied("failed"), replied("in flight"), *events[4:]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trajgen.model import Reply
-from trajgen.outcome import PromptOutcome
+from trajgen.outcome import PromptOutcome, Status
 from trajgen.work import Task
 
 
@@ -61,3 +61,13 @@ class Cancelled:
 
 
 Event = Finished | Replied | Throttled | Fatal | Log | Cancelled
+
+
+def without_landed_replies(events: list[Event]) -> list[Event]:
+    """The events a worker sends in one message, less the replies of prompts whose outcome travels
+    with them and lands (ok or discarded: resume never runs those again). Their rows carry those
+    replies, and the parent would write the journal entries only to drop them at the next compaction."""
+    landed = {e.outcome.key for e in events if isinstance(e, Finished) and e.outcome.status is not Status.FAILED}
+    if not landed:
+        return events
+    return [e for e in events if not (isinstance(e, Replied) and e.key in landed)]

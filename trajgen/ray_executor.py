@@ -34,7 +34,7 @@ from typing import Any
 
 from trajgen import registry
 from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
-from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Throttled
+from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Throttled, without_landed_replies
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
@@ -162,7 +162,7 @@ class _RayWorker:
             self.later.cancel()
             self.later = None
         messages, self.outbox = self.outbox, []
-        return messages
+        return without_landed_replies(messages)
 
     async def cancel(self) -> None:
         """Cancel every conversation (their sandboxes are closed); `events` then says Cancelled."""

@@ -246,6 +246,7 @@ class Writer:
         self.run_dir = run_dir
         self.paths: dict[int, Path] = {}  # open file descriptor -> its file
         self.torn: set[int] = set()  # descriptors whose file may end in a torn line
+        self.unsynced: set[int] = set()  # descriptors written since their last fsync
         # fsynced, and unchanged since: a crashed run's others never were, one edited by hand is no longer
         self.synced = settled(run_dir)
         self.batches: dict[int, int] = {}  # batch number -> open file descriptor
@@ -286,6 +287,7 @@ class Writer:
             self._error = e
             raise
         self.torn.discard(fd)
+        self.unsynced.add(fd)
 
     def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
         if batch_num not in self.batches:
@@ -372,10 +374,13 @@ class Writer:
                     self._compact(job[1])
                 else:
                     for fd in (*self.side.values(), self.journal_fd):
-                        with writing(self.paths[fd]):
-                            os.fsync(fd)
+                        if fd in self.unsynced:  # taken out first: a write meanwhile leaves it in again
+                            self.unsynced.discard(fd)
+                            with writing(self.paths[fd]):
+                                os.fsync(fd)
                     batch_num, fd = job
                     if fd is not None:
+                        self.unsynced.discard(fd)  # no more writes: the batch has ended
                         with writing(self.paths[fd]):
                             os.fsync(fd)
                         os.close(fd)

@@ -18,7 +18,8 @@ from typing import Callable
 
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
-from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled
+from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled,
+                              without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
@@ -168,7 +169,7 @@ class _Outbox:
         if self.pending:
             events, self.pending = self.pending, []
             try:
-                self.conn.send(events)
+                self.conn.send(without_landed_replies(events))
             except OSError:  # the parent is gone; the reader thread's EOF stops this worker
                 pass
 
