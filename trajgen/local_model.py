@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -48,6 +47,8 @@ def model_path() -> Path:
 
 def _rebuild_command() -> str:
     """The installed llama-cpp-python again, compiled for the portable x86-64 baseline (see README)."""
+    import importlib.metadata  # here only: it costs every worker process 30 ms to import
+
     version = importlib.metadata.version("llama-cpp-python")
     return ('CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install --force-reinstall --no-deps --no-cache-dir '
             f"llama-cpp-python=={version}")
