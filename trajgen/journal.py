@@ -3,7 +3,8 @@
 `JournalModel` wraps the real `ModelClient` for one prompt. Each request is keyed by the hash of
 exactly what is sent (`request_hash`); a reply in the prompt's journal entries for that turn and
 hash (attached to its `Task` on --resume), or in the --cache_dir cache, is returned as it is.
-Every reply paid for is sent to the parent (`Replied`), which appends it to the run's journal.
+Every reply paid for is sent to the parent (`Replied`), which appends it to the run's journal,
+unless the prompt's row travels with it (messages.without_landed_replies).
 Tools run again; while their results are the same, so is the next request, and the first
 request that differs goes to the endpoint.
 """

@@ -32,7 +32,8 @@ class Finished:
 
 @dataclass(frozen=True)
 class Replied:
-    """A reply paid for: the parent journals it, so that resume does not pay for it again."""
+    """A reply paid for: the parent journals it, so that resume does not pay for it again (not sent
+    when its prompt's landed outcome goes in the same message: `without_landed_replies`)."""
 
     key: str
     turn: int
