@@ -109,10 +109,11 @@ async def check_node(config: WorkerConfig, images: list[str]) -> NodeReport:
 
 
 class _RayWorker:
-    """One actor: a worker's conversations. Prompts arrive in batches (`submit`, one call per driver poll);
-    every event, outcomes included, waits in an outbox that the driver long-polls (`events`): two Ray calls
-    per poll, not one per prompt. `epoch` numbers the driver's view of this actor's life: a call meant for a
-    predecessor that died (Ray restarts an actor in place) is refused, so no prompt runs twice or is lost."""
+    """One actor: a worker's conversations. Every event, outcomes included, waits in an outbox that the
+    driver long-polls (`events`); the prompts admitted since its last answer come with the next `events`
+    call (about one Ray call per prompt in all), or in a `submit` of their own while one is pending.
+    `epoch` numbers the driver's view of this actor's life: a call meant for a predecessor that died (Ray
+    restarts an actor in place) is refused, so no prompt runs twice or is lost."""
 
     def __init__(self, config: WorkerConfig, images: list[str]):
         self.config, self.images = config, images
@@ -148,12 +149,17 @@ class _RayWorker:
 
     async def submit(self, epoch: int, tasks: list[Task]) -> None:
         self._check(epoch)
+        self._start(tasks)
+
+    def _start(self, tasks: list[Task]) -> None:
         for task in tasks:
             self.worker.running[task.key] = asyncio.create_task(self.worker.run_one(task))
 
-    async def events(self, epoch: int) -> list[Event]:
-        """What happened since the last call, once something has; a Finished event is a prompt's outcome."""
+    async def events(self, epoch: int, tasks: list[Task]) -> list[Event]:
+        """Start `tasks` (the prompts the driver had for this actor when it asked again), then return what
+        happened since the last call, once something has; a Finished event is a prompt's outcome."""
         self._check(epoch)
+        self._start(tasks)
         await self.news.wait()
         await asyncio.sleep(EVENTS_WINDOW)  # the events of the next few ms come in the same reply
         self._check(epoch)
@@ -184,7 +190,7 @@ class _Slot:
 
     number: int
     actor: Any
-    watch: Any = None  # the pending `ready` call while down, the pending `events` call while up
+    watch: Any = None  # the pending `ready` call while down, the pending `events` call while up (None between two)
     up: bool = False
     epoch: int = 0  # which life of the actor the driver talks to: one more at each `ready`
     inflight: dict[str, Task] = field(default_factory=dict)  # its prompts, by key, until their Finished
@@ -305,10 +311,16 @@ class RayPool:
                 self.queue.remove(task)
                 messages.append(self._unservable(task, wanted))
         for slot in self.slots:
-            if slot.number in batches:
+            batch = batches.get(slot.number, [])
+            if slot.up and slot.watch is None:  # its last `events` call has answered
+                self._ask(slot, batch)
+            elif batch:
                 # no reply: if the actor died, its `events` call fails and the driver runs the prompts again
-                slot.actor.submit.options(num_returns=0).remote(slot.epoch, batches[slot.number])
+                slot.actor.submit.options(num_returns=0).remote(slot.epoch, batch)
         return messages
+
+    def _ask(self, slot: _Slot, tasks: list[Task]) -> None:
+        slot.watch = slot.actor.events.remote(slot.epoch, tasks)
 
     def _unservable(self, task: Task, wanted: set[str]) -> Event:
         lacks = sorted({f"{s.report.node} lacks {need} ({s.report.missing[need]})"
@@ -344,7 +356,7 @@ class RayPool:
         for message in messages:
             if isinstance(message, Finished):
                 slot.inflight.pop(message.outcome.key, None)
-        slot.watch = slot.actor.events.remote(slot.epoch)
+        slot.watch = None  # asked again at the next dispatch, with the prompts admitted meanwhile
         return messages
 
     def _named(self, report: NodeReport) -> list[Event]:
@@ -386,6 +398,9 @@ class RayPool:
         arrived: list[Event] = []
         deadline = time.monotonic() + timeout
         while waiting and (left := deadline - time.monotonic()) > 0:
+            for slot in waiting:
+                if slot.watch is None:
+                    self._ask(slot, [])
             ready, _ = ray.wait([s.watch for s in waiting], num_returns=1, timeout=left)
             for slot in [s for s in waiting if s.watch in ready]:
                 slot.inflight.clear()  # what has not arrived by its Cancelled is not recorded: resume runs it
