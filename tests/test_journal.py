@@ -191,3 +191,15 @@ def test_a_reply_travelling_with_its_landed_outcome_is_not_journaled_and_a_faile
     events = [replied("ok"), replied("discarded"), replied("failed"), replied("in flight"),
               finished("ok", Status.OK), finished("discarded", Status.DISCARDED), finished("failed", Status.FAILED)]
     assert without_landed_replies(events) == [replied("failed"), replied("in flight"), *events[4:]]
+
+
+def test_prompts_that_land_without_journal_entries_leave_no_state_behind(tmp_path):
+    """Most prompts land with their last reply and have no entry: the writer must not keep their
+    keys until a compaction that a journal which does not grow never triggers (10 MB at 100,000 prompts)."""
+    writer = store.Writer(tmp_path)
+    writer.journal({"key": "k0", "turn": 0, "hash": "h", "message": {"content": "k0"}, "usage": {}})
+    for i in range(1000):
+        writer.row(i // 10, f"k{i}", orjson.Fragment(orjson.dumps({"metadata": {"prompt_key": f"k{i}"}})))
+    assert writer.landed == {"k0"}  # the one with an entry, whose entry the next compaction drops
+    writer.close({})
+    assert list(store.read_records(tmp_path / store.JOURNAL, [])) == []

@@ -255,10 +255,12 @@ class Writer:
         self._checkpoint: dict | None = None  # the latest payload not yet written
         self.journal_fd = self._open(run_dir / JOURNAL)
         self._journal_lock = threading.Lock()  # appends wait while a compaction swaps the file
-        self.landed: set[str] = set()  # prompts whose journal entries can go at the next compaction
+        self.journaled: set[str] = set()  # prompts with entries in the journal (most that land have none)
+        self.landed: set[str] = set()  # of those, the ones whose entries can go at the next compaction
         self._compacted_size = 0  # of the journal after the last compaction
         if os.fstat(self.journal_fd).st_size:  # an earlier run may have died before compacting it
-            self.landed = scan(run_dir).done
+            found = scan(run_dir)
+            self.landed, self.journaled = found.done, set(found.journal)
             self._compact_later()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -293,7 +295,7 @@ class Writer:
         if batch_num not in self.batches:
             self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
         self._append(self.batches[batch_num], row)
-        self.landed.add(key)
+        self._landed(key)
 
     def user_files(self, files: dict[str, bytes]) -> None:
         """Files a prompt's tools made, by path relative to the run directory, which they must stay in."""
@@ -306,16 +308,22 @@ class Writer:
 
     def discarded(self, record: dict) -> None:
         self._append(self.side[DISCARDED], record)
-        self.landed.add(record["prompt_key"])
+        self._landed(record["prompt_key"])
+
+    def _landed(self, key: str) -> None:
+        if key in self.journaled:
+            self.landed.add(key)
 
     def journal(self, entry: dict) -> None:
         with self._journal_lock:
             self._append(self.journal_fd, entry)
+        self.journaled.add(entry["key"])
 
     def _compact_later(self) -> None:
         """Queued after the rows of the landed prompts, so their entries go only once they are on disk."""
         if self.landed:
             self._jobs.put(("compact", frozenset(self.landed)))
+            self.journaled -= self.landed
             self.landed = set()
 
     def _compact(self, landed: frozenset[str]) -> None:
