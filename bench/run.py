@@ -148,7 +148,8 @@ def compile_sources(root: Path) -> None:
     """Bytecode for the runner's modules first, as an installed package has: where
     PYTHONDONTWRITEBYTECODE is set (this VM sets it), every process of every run would otherwise
     compile each module edited since its last .pyc, and the fixed cost would depend on that."""
-    sources = [str(root / "trajgen"), *(str(root / f) for f in ("batch_runner.py", "model_tools.py", "toolset_distributions.py"))]
+    files = ("trajgen", "batch_runner.py", "model_tools.py", "toolset_distributions.py")
+    sources = [str(root / f) for f in files]
     subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], check=True, stdout=subprocess.DEVNULL)
 
 

@@ -347,6 +347,7 @@ class Writer:
                     os.replace(tmp, path)
                     self._compacted_size = f.tell()
                     old, self.journal_fd = self.journal_fd, self._open(path)
+                    self.unsynced.discard(old)  # the new file is fsynced; the old one's number may be reused
                     os.close(old)
         except BaseException:
             if os.path.exists(tmp):
