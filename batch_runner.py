@@ -16,8 +16,8 @@ from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
 
-# The rest is imported where it is used: every worker process re-imports this file (multiprocessing's
-# spawn), and the run's modules, rich and Fire would cost each of them half a second of CPU.
+# The rest is imported where it is used: the workers' fork server re-imports this file (it is their
+# __main__), and the run's modules, rich and Fire would cost it half a second of CPU.
 
 
 def main(**flag_values) -> None:

@@ -275,11 +275,18 @@ def _status_kb(pid: int, keys=("VmHWM", "VmRSS")) -> dict[str, int]:
     return out
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _role(root: int, pid: int, cmdline: str) -> str:
     if pid == root:
         return "parent"
-    if "spawn_main" in cmdline:
-        return "worker"
+    if "multiprocessing.forkserver" in cmdline:  # the fork server, the CLI's child, and the workers it forks
+        return "fork_server" if _ppid(pid) == root else "worker"
     if "resource_tracker" in cmdline:
         return "resource_tracker"
     return "other"  # sandboxes: bwrap, setpriv, bash

@@ -206,7 +206,7 @@ def rows_scale(res: dict) -> list[Row]:
         rows.append(Row("scale", f"N={n:,}: --resume of the finished run", f"{_fmt(rwall)} s wall",
                         target, _verdict(rwall < 5 if (target and rwall is not None) else None),
                         f"CLI duration_seconds {_fmt(rdur)} s; parent peak {_fmt(median([x['parent_rss_mb'] for x in rs]), 0)} MB; "
-                        f"runs {len(rs)}; it scans, plans nothing, spawns 1 worker, merges"))
+                        f"runs {len(rs)}; it scans, plans nothing, forks 1 worker, merges"))
         d = entry["direct"]
         rows.append(Row("scale", f"N={n:,}: merge (trajgen.merge.merge, called directly)",
                         f"{_fmt(median([x['merge_s'] for x in d]))} s", "", "info",

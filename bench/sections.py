@@ -276,7 +276,7 @@ def section_overhead(args) -> dict:
     out: dict = {"n": n, "workers": workers, "concurrency": conc}
     for label, script in (("no_tools", SCRIPT_PLAIN), ("terminal", SCRIPT_TOOL)):
         with Server(script, 0.0, f"overhead-{label}") as server:
-            # the fixed cost of one invocation (imports, dataset check, worker spawn, merge): N = 1
+            # the fixed cost of one invocation (imports, dataset check, worker start, merge): N = 1
             one = dataset(1)
             fixed = []
             for rep in range(args.repeats):
@@ -316,7 +316,7 @@ def section_scale(args) -> dict:
             entry = {"run": r.__dict__}
             run_dir = OUT / "runs" / name
             entry["disk_mb"] = round(sum(p.stat().st_size for p in run_dir.iterdir()) / 2**20, 1)
-            # --resume on the finished run: scans every batch file, plans nothing, spawns the pool, merges
+            # --resume on the finished run: scans every batch file, plans nothing, starts the pool, merges
             resumes = []
             for rep in range(args.repeats):
                 rname = f"{name}"
@@ -414,7 +414,9 @@ IDLE_IN_SIDE_THREADS = ("Connection._recv", "_worker (concurrent/futures/thread.
 def _process_role(headers: list[str]) -> str:
     if len(headers) <= 1:
         return "parent"
-    return "worker" if "spawn_main" in headers[-1] else "other"
+    if "multiprocessing.forkserver" not in headers[-1]:
+        return "other"
+    return "worker" if len(headers) > 2 else "fork_server"  # workers are the fork server's children
 
 
 def _is_idle(leaf: str, main_thread: bool) -> bool:

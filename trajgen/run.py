@@ -23,7 +23,7 @@ from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
-from trajgen.workers import ProcessPool, worker_share
+from trajgen.workers import ProcessPool, start_fork_server, worker_share
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ def main(opts: RunOptions) -> int:
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
+    if opts.executor == "processes" and not opts.dry_run:
+        start_fork_server()
     prepared = prepare(opts)
     sandbox = opts.sandbox_config()
     for line in limit_notices(sandbox):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
@@ -174,8 +176,10 @@ class _Outbox:
                 pass
 
 
-def _worker_main(conn: Connection, config: WorkerConfig) -> None:
+def _worker_main(conn: Connection, config: WorkerConfig, environ: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    os.environ.clear()  # the fork server's environment is its start's; a library user may have changed it since
+    os.environ.update(environ)
     outbox = _Outbox(conn)
     asyncio.run(_Worker(config, outbox.send).serve(conn))
     outbox.flush()
@@ -189,21 +193,30 @@ class _Handle:
     outbox: list[Submit] = field(default_factory=list)  # sent together at the next poll
 
 
+def start_fork_server() -> None:
+    """Workers fork from one process that imports their modules once, instead of each importing
+    them (0.3 CPU-s a worker); started early, its imports overlap the parent's reading of the dataset."""
+    mp.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
+    forkserver.ensure_running()
+
+
 class ProcessPool:
     """`num_workers` processes; each holds up to its share of the run's concurrency."""
 
     def __init__(self, num_workers: int, config: WorkerConfig):
         self.num_workers = num_workers
         self.config = config
-        self.ctx = mp.get_context("spawn")
+        self.ctx = mp.get_context("forkserver")
         self.workers: list[_Handle] = []
 
     def start(self) -> None:
+        if self.num_workers:
+            start_fork_server()
         self.workers = [self._spawn() for _ in range(self.num_workers)]
 
     def _spawn(self) -> _Handle:
         parent_end, child_end = self.ctx.Pipe()
-        process = self.ctx.Process(target=_worker_main, args=(child_end, self.config), daemon=True)
+        process = self.ctx.Process(target=_worker_main, args=(child_end, self.config, dict(os.environ)), daemon=True)
         process.start()
         child_end.close()
         return _Handle(process, parent_end)
