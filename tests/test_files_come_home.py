@@ -75,16 +75,16 @@ def test_image_files_are_written_by_the_parent_only(scripted_server, fake_api, t
 SECOND_RUN = """import os, sys
 from trajgen import run, workers
 from trajgen.options import RunOptions
-workers.start_fork_server()  # as a first run would have, before the key below existed
-os.environ.update(FAL_KEY="fal-key", FAL_BASE_URL=sys.argv[2])
-sys.exit(run.run(RunOptions(dataset_file="prompts.jsonl", run_name="run", base_url=sys.argv[1], api_key="dummy",
-                            model="test-model", num_workers=1, distribution="default", max_retries=1)))
+with workers.fork_server():  # started before the key below existed
+    os.environ.update(FAL_KEY="fal-key", FAL_BASE_URL=sys.argv[2])
+    sys.exit(run.run(RunOptions(dataset_file="prompts.jsonl", run_name="run", base_url=sys.argv[1], api_key="dummy",
+                                model="test-model", num_workers=1, distribution="default", max_retries=1)))
 """
 
 
 def test_workers_get_the_environment_of_their_run(scripted_server, fake_api, tmp_path):  # noqa: F811
-    """The fork server lives as long as its process, with the environment it started with; a key a
-    library user sets between two runs still reaches the second run's workers."""
+    """A fork server already running (a library user's own, say) keeps the environment it started
+    with; a key set since still reaches the run's workers."""
     fal = fake_api({"/fal-ai/flux/schnell": (200, {"images": [
         {"url": "data:image/png;base64," + base64.b64encode(PNG).decode()}]})})
     server = scripted_server({"default": [call("image_generate", prompt="a cat"), think("Here is the cat.")]})

@@ -4,6 +4,7 @@ workers), finish (merge, statistics, exit status). `batch_runner.py` is the CLI 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -23,7 +24,7 @@ from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
-from trajgen.workers import ProcessPool, start_fork_server, worker_share
+from trajgen.workers import ProcessPool, fork_server, worker_share
 
 
 @dataclass(frozen=True)
@@ -68,22 +69,21 @@ def main(opts: RunOptions) -> int:
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
-    if opts.executor == "processes" and not opts.dry_run:
-        start_fork_server()
-    prepared = prepare(opts)
-    sandbox = opts.sandbox_config()
-    for line in limit_notices(sandbox):
-        console.notice(line)
-    try:
-        if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
-            reap(sandbox)
-        missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
-        if opts.dry_run:
-            return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
-        outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
-    finally:
-        cleanup(sandbox)
-    return finish(prepared, outcome, previous, started)
+    with fork_server() if opts.executor == "processes" and not opts.dry_run else contextlib.nullcontext():
+        prepared = prepare(opts)
+        sandbox = opts.sandbox_config()
+        for line in limit_notices(sandbox):
+            console.notice(line)
+        try:
+            if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
+                reap(sandbox)
+            missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
+            if opts.dry_run:
+                return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
+            outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
+        finally:
+            cleanup(sandbox)
+        return finish(prepared, outcome, previous, started)  # the fork server's exit (0.1 s) after the summary
 
 
 def run_local(opts: RunOptions) -> int:

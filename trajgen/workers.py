@@ -8,6 +8,7 @@ the run directory: even the files tools make for the user travel home in the out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
-from typing import Callable
+from typing import Callable, Iterator
 
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
@@ -193,11 +194,18 @@ class _Handle:
     outbox: list[Submit] = field(default_factory=list)  # sent together at the next poll
 
 
-def start_fork_server() -> None:
-    """Workers fork from one process that imports their modules once, instead of each importing
-    them (0.3 CPU-s a worker); started early, its imports overlap the parent's reading of the dataset."""
+@contextlib.contextmanager
+def fork_server() -> Iterator[None]:
+    """The process the workers fork from, for the length of a run. It imports their modules once
+    (each worker of its own would: 0.3 CPU-s a worker), while the parent reads the dataset; stopped
+    with the run, so that no process of the run outlives it and its workers' CPU counts as the
+    run's (getrusage, `time`)."""
     mp.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
     forkserver.ensure_running()
+    try:
+        yield
+    finally:
+        forkserver._forkserver._stop()  # multiprocessing has no public call for this; CPython's tests use it
 
 
 class ProcessPool:
@@ -210,8 +218,6 @@ class ProcessPool:
         self.workers: list[_Handle] = []
 
     def start(self) -> None:
-        if self.num_workers:
-            start_fork_server()
         self.workers = [self._spawn() for _ in range(self.num_workers)]
 
     def _spawn(self) -> _Handle:
