@@ -69,7 +69,9 @@ def main(opts: RunOptions) -> int:
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
-    with fork_server() if opts.executor == "processes" and not opts.dry_run else contextlib.nullcontext():
+    pool = opts.executor == "processes" and not opts.dry_run
+    # a resume may find nothing left to run: its fork server starts with the first worker, if any
+    with fork_server(start_now=not opts.resume) if pool else contextlib.nullcontext():
         prepared = prepare(opts)
         sandbox = opts.sandbox_config()
         for line in limit_notices(sandbox):

@@ -195,13 +195,14 @@ class _Handle:
 
 
 @contextlib.contextmanager
-def fork_server() -> Iterator[None]:
+def fork_server(start_now: bool) -> Iterator[None]:
     """The process the workers fork from, for the length of a run. It imports their modules once
-    (each worker of its own would: 0.3 CPU-s a worker), while the parent reads the dataset; stopped
-    with the run, so that no process of the run outlives it and its workers' CPU counts as the
-    run's (getrusage, `time`)."""
+    (each worker of its own would: 0.3 CPU-s a worker); started now, its imports overlap the
+    parent's reading of the dataset, else by the first worker. Stopped with the run, so that no
+    process of the run outlives it and its workers' CPU counts as the run's (getrusage, `time`)."""
     mp.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
-    forkserver.ensure_running()
+    if start_now:
+        forkserver.ensure_running()
     try:
         yield
     finally:
