@@ -21,10 +21,14 @@ from trajgen.sandbox import BackendUnreachable
 
 
 def main(**flag_values) -> None:
-    from trajgen import console, run
+    from trajgen import console, fork_server
 
     try:
-        code = run.main(RunOptions(**flag_values))
+        opts = RunOptions(**flag_values)
+        fork_server.start(opts)  # its imports of the workers' modules run beside this process's own, next
+        from trajgen import run
+
+        code = run.main(opts)
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)

@@ -73,12 +73,13 @@ def test_image_files_are_written_by_the_parent_only(scripted_server, fake_api, t
 
 
 SECOND_RUN = """import os, sys
-from trajgen import run, workers
+from multiprocessing import forkserver
+from trajgen import run
 from trajgen.options import RunOptions
-with workers.fork_server(start_now=True):  # started before the key below existed
-    os.environ.update(FAL_KEY="fal-key", FAL_BASE_URL=sys.argv[2])
-    sys.exit(run.run(RunOptions(dataset_file="prompts.jsonl", run_name="run", base_url=sys.argv[1], api_key="dummy",
-                                model="test-model", num_workers=1, distribution="default", max_retries=1)))
+forkserver.ensure_running()  # started before the key below existed
+os.environ.update(FAL_KEY="fal-key", FAL_BASE_URL=sys.argv[2])
+sys.exit(run.run(RunOptions(dataset_file="prompts.jsonl", run_name="run", base_url=sys.argv[1], api_key="dummy",
+                            model="test-model", num_workers=1, distribution="default", max_retries=1)))
 """
 
 

@@ -4,7 +4,6 @@ workers), finish (merge, statistics, exit status). `batch_runner.py` is the CLI 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import time
@@ -14,7 +13,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
+from trajgen import console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
@@ -24,7 +23,7 @@ from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings
 from trajgen.work import ModelSettings, Task, WorkerConfig
-from trajgen.workers import ProcessPool, fork_server, worker_share
+from trajgen.workers import ProcessPool, worker_share
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,7 @@ def main(opts: RunOptions) -> int:
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
-    pool = opts.executor == "processes" and not opts.dry_run
-    # a resume may find nothing left to run: its fork server starts with the first worker, if any
-    with fork_server(start_now=not opts.resume) if pool else contextlib.nullcontext():
+    with fork_server.serving(opts):
         prepared = prepare(opts)
         sandbox = opts.sandbox_config()
         for line in limit_notices(sandbox):

@@ -8,16 +8,14 @@ the run directory: even the files tools make for the user travel home in the out
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import multiprocessing as mp
 import os
 import signal
 import threading
 from dataclasses import dataclass, field
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Iterator
+from typing import Callable
 
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
@@ -192,21 +190,6 @@ class _Handle:
     conn: Connection
     inflight: dict[str, Task] = field(default_factory=dict)
     outbox: list[Submit] = field(default_factory=list)  # sent together at the next poll
-
-
-@contextlib.contextmanager
-def fork_server(start_now: bool) -> Iterator[None]:
-    """The process the workers fork from, for the length of a run. It imports their modules once
-    (each worker of its own would: 0.3 CPU-s a worker); started now, its imports overlap the
-    parent's reading of the dataset, else by the first worker. Stopped with the run, so that no
-    process of the run outlives it and its workers' CPU counts as the run's (getrusage, `time`)."""
-    mp.get_context("forkserver").set_forkserver_preload(["__main__", __name__])
-    if start_now:
-        forkserver.ensure_running()
-    try:
-        yield
-    finally:
-        forkserver._forkserver._stop()  # multiprocessing has no public call for this; CPython's tests use it
 
 
 class ProcessPool:
