@@ -140,7 +140,7 @@ class RunIndex:
 
     def _read(self, name: str, known: _File) -> None:
         try:
-            f = open(self.run_dir / name, "rb")
+            f = open(self.run_dir / name, "rb", buffering=store.READ_BUFFER)
         except FileNotFoundError:
             raise _Restart
         with f:
