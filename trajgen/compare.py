@@ -207,7 +207,7 @@ def pair_figures(a: Run, b: Run, names: tuple[int, int]) -> dict:
     judged = [(k, x, y) for k, x, y in outcomes if x is not None and y is not None]
     verified = bool(judged)
     pairs = judged if verified else [(k, completed(a.groups[k]), completed(b.groups[k])) for k in shared]
-    table = Counter(("both" if x else "only_a") if x else ("only_b" if y else "neither") for _, x, y in pairs)
+    table = Counter(("both" if y else "only_a") if x else ("only_b" if y else "neither") for _, x, y in pairs)
     counts = {name: table[name] for name in ("both", "only_a", "only_b", "neither")}
     return {
         "a": names[0], "b": names[1], "shared_prompts": len(shared),
