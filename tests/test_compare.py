@@ -142,17 +142,22 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
                                                 for i, k in enumerate(kept)])
         if name == "b":
             write_jsonl(run_dir / "failures.jsonl", [{"prompt_key": "k2-0", "error_class": "APIError"}])
+            (run_dir / "statistics.json").write_text(json.dumps({"latency": {"ttft_median": 0.5, "n": "x"},
+                                                                 "time_to_first_token_p90": 1.25, "ok": 1}))
     found, _ = compare.compare([tmp_path / "a", tmp_path / "b"])
     pair = found["pairs"][0]
     assert pair["outcome"] == "completed" and pair["p_value"] is None and "nothing was verified" in pair["note"]
     assert (pair["both"], pair["only_a"], pair["only_b"], pair["neither"]) == (1, 1, 0, 0)
     assert found["runs"][1]["samples"] == {"ok": 1, "failed": 1, "total": 2}
     assert found["runs"][0]["pass_rate_prompts"]["rate"] is None
+    assert found["runs"][0]["latency"] is None
+    assert found["runs"][1]["latency"] == {"latency.ttft_median": 0.5, "time_to_first_token_p90": 1.25}
 
 
 def test_compare_usage_errors_are_one_line(cli):
     for flags, message in [(["--compare=nowhere,elsewhere"], "no such run directory"),
-                           (["--compare=."], "two or more run directories")]:
+                           (["--compare=."], "two or more run directories"),
+                           (["--compare=.", "--models=a,b"], "give one of them")]:
         done = cli.run(*flags)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
@@ -203,7 +208,8 @@ def test_models_usage_errors_are_one_line(cli, tmp_path):
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
     base = ["--dataset_file=prompts.jsonl", "--run_name=eval", "--base_url=http://127.0.0.1:9/v1", "--api_key=k"]
     for flags, message in [(["--models=one"], "two or more different models"),
-                           (["--models=a/b,a_b"], "share a directory name")]:
+                           (["--models=a/b,a_b"], "share a directory name"),
+                           (["--models=a,b", "--compare_out=x"], "--compare_out goes with --compare")]:
         done = cli.run(*base, *flags)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 

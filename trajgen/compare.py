@@ -25,7 +25,7 @@ JUDGED = (Verdict.PASSED.value, Verdict.FAILED.value, Verdict.TIMEOUT.value)
 STATUS = {ROW: "ok", DISCARDED: "discarded", FAILED: "failed"}
 SETTINGS = ("model", "temperature", "top_p", "max_tokens", "max_turns", "distribution", "seed",
             "toolsets_per_sample", "system_prompt")  # what makes two runs differ beyond their model's skill
-LATENCY = "latency"  # statistics.json's section of latency figures, where the run measured them
+LATENCY_WORDS = ("latency", "first_token", "ttft")  # statistics.json's latency figures, where the run measured them
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,6 @@ def run_figures(run: Run, keys: list[str]) -> dict:
     turns = sum(s.assistant_turns for s in ran)
     calls = sum(s.tool_calls for s in ran)
     walls = [s.wall_seconds for s in ran if isinstance(s.wall_seconds, (int, float))]
-    latency = run.statistics.get(LATENCY)
     return {
         "run_dir": str(run.path), "model": run.manifest.get("model"),
         "served_by": dict(Counter(name for s in ran for name in s.served_by)),
@@ -195,8 +194,23 @@ def run_figures(run: Run, keys: list[str]) -> dict:
         "cost_per_passed_prompt": round(cost / prompts_passed, 6) if cost is not None and prompts_passed else None,
         "wall_seconds_total": run.statistics.get("duration_seconds_total"),
         "median_seconds_per_sample": round(stats_module.median(walls), 3) if walls else None,
-        "latency": latency if isinstance(latency, dict) else None,
+        "latency": latency(run.statistics),
     }
+
+
+def latency(statistics: dict) -> dict[str, float] | None:
+    """The latency figures statistics.json holds (a top-level number, or a section of numbers,
+    whose name speaks of latency or the first token), flattened to `name` or `section.name`."""
+    found: dict[str, float] = {}
+    for name, value in statistics.items():
+        if not any(word in name.lower() for word in LATENCY_WORDS):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[name] = value
+        elif isinstance(value, dict):
+            found.update({f"{name}.{k}": v for k, v in value.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return found or None
 
 
 def pair_figures(a: Run, b: Run, names: tuple[int, int]) -> dict:

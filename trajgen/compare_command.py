@@ -15,6 +15,8 @@ JSON, HTML = "comparison.json", "comparison.html"
 
 
 def run(opts: RunOptions) -> int:
+    if opts.models:
+        raise UsageError("--compare compares finished runs and --models makes new ones: give one of them")
     paths = [Path(p) for p in as_list(opts.compare)]
     for path in paths:
         if not path.is_dir():
@@ -56,3 +58,5 @@ def show(found: dict) -> None:
         for label, value in comparison.pair_rows(pair):
             paired.add_row(label, value)
         console.out.print(paired)
+        if pair["note"]:
+            console.notice(pair["note"])

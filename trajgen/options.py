@@ -232,6 +232,8 @@ def check(opts: RunOptions) -> None:
         if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
                                 or not urllib.parse.urlsplit(url).hostname):
             raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+    if opts.compare_out:
+        raise UsageError("--compare_out goes with --compare (--models writes its comparison into <output_dir>/<run_name>/)")
     if opts.export_outcome and not opts.export:
         raise UsageError("--export_outcome selects rows for --export; pass --export too")
     if opts.backend not in BACKENDS:

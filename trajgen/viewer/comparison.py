@@ -73,7 +73,7 @@ def pair_rows(pair: dict) -> list[tuple[str, str]]:
     return [("prompts compared", f"{pair['prompts_compared']} of {pair['shared_prompts']} shared"),
             (f"both {word}", str(pair["both"])), (f"only A {word}", str(pair["only_a"])),
             (f"only B {word}", str(pair["only_b"])), (f"neither {word}", str(pair["neither"])),
-            ("exact McNemar p-value", "n/a (" + pair["note"] + ")" if pair["p_value"] is None else f"{pair['p_value']:.4g}")]
+            ("exact McNemar p-value", "n/a (no verdicts)" if pair["p_value"] is None else f"{pair['p_value']:.4g}")]
 
 
 def _table(head: list[str], rows: list[tuple[str, list[str]]], cls: str) -> str:
@@ -137,6 +137,7 @@ def comparison_html(found: dict, runs: list[Run], link: Link | None = None,
         a, b = runs[pair["a"]], runs[pair["b"]]
         label = pair_label(pair, figures)
         table = _table(["", ""], [(name, [value]) for name, value in pair_rows(pair)], "pair-table")
+        table += f'<p class="live">{_e(pair["note"])}</p>' if pair["note"] else ""
         listed = _prompt_list(pair, a, b, link, every_prompt)
         parts.append(f'<section class="card wide"><h3>{_e(label)}</h3>{table}{listed}</section>')
     return head + '<div class="cards">' + "".join(parts) + "</div>"
