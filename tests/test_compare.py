@@ -15,7 +15,8 @@ from trajgen import compare, dataset
 from trajgen.scripted_server import start_server
 
 ANSWER_IS_42 = 'test "$(cat .trajgen/final_answer.txt)" = 42'
-PROMPTS = [f"task {i}" for i in range(12)]
+HOSTILE = ' <img src=x onerror="window.pwned = 1"> <script>window.pwned = 2</script>'
+PROMPTS = [f"task {i}" + (HOSTILE if i == 9 else "") for i in range(12)]
 GOOD = set(range(9))  # the prompts model "good" answers right
 BAD = {0, 1, 2, 9}  # and model "bad": both 3, only good 6, only bad 1, neither 2
 
@@ -248,8 +249,8 @@ def test_comparison_html_opens_without_any_request_but_its_own_file(made, browse
     sides = _sides(opened)
     assert len(sides) == 2 and sides[0].startswith("A: good") and sides[1].startswith("B: bad")
     assert "not passed" in sides[0] and "7" in sides[0] and ": passed" in sides[1] and "42" in sides[1]
-    assert "task 9" in sides[0] and "task 9" in sides[1]
-    assert requests == [report.as_uri()]
+    assert HOSTILE.strip() in sides[0] and HOSTILE.strip() in sides[1]  # shown as text
+    assert requests == [report.as_uri()] and page.evaluate("window.pwned") is None
     context.close()
 
 
