@@ -14,6 +14,7 @@ from trajgen.compare import Run, completed, passed
 from trajgen.viewer import conversation, render, server
 from trajgen.viewer.query import Filtering
 
+INLINE = 200  # discordant prompts per pair whose conversations comparison.html holds; the rest are listed
 Link = Callable[[dict, str], str]  # (pair, prompt key) -> the href of its side-by-side view, or ""
 
 
@@ -154,14 +155,17 @@ def _prompt_list(pair: dict, a: Run, b: Run, link: Link | None, every_prompt: bo
         title = f"Prompts only one run {word} ({len(items)})"
     labels = (f"A: {a.label}", f"B: {b.label}")
     rows = []
-    for key, preview, outcome in items:
+    for i, (key, preview, outcome) in enumerate(items):
+        said = f'{_e(preview or key)} <span class="reason">{_e(outcome)}</span>'
         if link:
-            rows.append(f'<li><a href="{_e(link(pair, key))}">{_e(preview or key)}</a> '
-                        f'<span class="reason">{_e(outcome)}</span></li>')
+            rows.append(f'<li><a href="{_e(link(pair, key))}">{said}</a></li>')
+        elif i < INLINE:
+            rows.append(f'<li><details><summary>{said}</summary>{side_by_side(key, a, b, labels)}</details></li>')
         else:
-            rows.append(f'<li><details id="{_e(pair["a"])}-{_e(pair["b"])}-{_e(key)}"><summary>{_e(preview or key)} '
-                        f'<span class="reason">{_e(outcome)}</span></summary>{side_by_side(key, a, b, labels)}</details></li>')
-    return f"<h4>{_e(title)}</h4>" + (f'<ul class="prompts">{"".join(rows)}</ul>' if rows else '<p class="empty">none</p>')
+            rows.append(f"<li>{said}</li>")
+    more = (f'<p class="empty">The conversations of the first {INLINE} are here; <code>--view --compare</code> shows '
+            'every one.</p>') if not link and len(items) > INLINE else ""
+    return f"<h4>{_e(title)}</h4>{more}" + (f'<ul class="prompts">{"".join(rows)}</ul>' if rows else '<p class="empty">none</p>')
 
 
 def _outcome(a: Run, b: Run, key: str, word: str) -> str:
