@@ -138,7 +138,8 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
         run_dir = tmp_path / name
         run_dir.mkdir()
         (run_dir / "manifest.json").write_text(json.dumps({"model": name, "max_turns": 10}))
-        write_jsonl(run_dir / "batch_0.jsonl", [{"prompt_index": i, "metadata": {"prompt_key": k, "model": name},
+        write_jsonl(run_dir / "batch_0.jsonl", [{"prompt_index": i, "metadata": {"prompt_key": k, "model": name,
+                                                                              "hallucinated_tools": ["x", "y"][:i + 1]},
                                                  "conversations": [{"from": "human", "value": k}]}
                                                 for i, k in enumerate(kept)])
         if name == "b":
@@ -152,6 +153,7 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
     assert found["runs"][1]["samples"] == {"ok": 1, "failed": 1, "total": 2}
     assert found["runs"][0]["pass_rate_prompts"]["rate"] is None
     assert found["runs"][0]["latency"] is None
+    assert (found["runs"][0]["samples_with_hallucinated_tools"], found["runs"][0]["hallucinated_tool_names"]) == (2, 3)
     assert found["runs"][1]["latency"] == {"latency.ttft_median": 0.5, "time_to_first_token_p90": 1.25}
 
 

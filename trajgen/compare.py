@@ -66,7 +66,7 @@ class Sample:
     turns_with_reasoning: int
     tool_calls: int
     tool_failures: int
-    hallucinated_calls: int
+    hallucinated_names: int
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int
@@ -126,7 +126,7 @@ def _sample(entry: Entry, record: dict) -> Sample:
         verdict=verify.status(row) if entry.kind != FAILED else Verdict.UNVERIFIED.value, reason=entry.reason,
         assistant_turns=int(meta.get("assistant_turns") or 0), turns_with_reasoning=int(meta.get("turns_with_reasoning") or 0),
         tool_calls=sum(int(s.get("count") or 0) for s in tools), tool_failures=sum(int(s.get("failure") or 0) for s in tools),
-        hallucinated_calls=len(meta.get("hallucinated_tools") or []),
+        hallucinated_names=len(meta.get("hallucinated_tools") or []),
         prompt_tokens=int(usage.get("prompt_tokens") or 0), completion_tokens=int(usage.get("completion_tokens") or 0),
         reasoning_tokens=int(usage.get("reasoning_tokens") or 0), cost=usage.get("cost"),
         wall_seconds=usage.get("wall_seconds"),
@@ -185,8 +185,8 @@ def run_figures(run: Run, keys: list[str]) -> dict:
         "mean_turns": round(turns / len(ran), 3) if ran else None,
         "mean_tool_calls": round(calls / len(ran), 3) if ran else None,
         "tool_error_rate": round(sum(s.tool_failures for s in ran) / calls, 4) if calls else None,
-        "hallucinated_tool_calls": sum(s.hallucinated_calls for s in ran),
-        "samples_with_hallucinated_tools": sum(1 for s in ran if s.hallucinated_calls),
+        "hallucinated_tool_names": sum(s.hallucinated_names for s in ran),
+        "samples_with_hallucinated_tools": sum(1 for s in ran if s.hallucinated_names),
         "reasoning_coverage": round(sum(s.turns_with_reasoning for s in ran) / turns, 4) if turns else None,
         "tokens": {"prompt": sum(s.prompt_tokens for s in samples), "completion": sum(s.completion_tokens for s in samples),
                    "reasoning": sum(s.reasoning_tokens for s in samples)},

@@ -49,7 +49,7 @@ def figure_rows(runs: list[dict]) -> list[tuple[str, list[str]]]:
         ("mean turns per sample", [_or_na(r["mean_turns"]) for r in runs]),
         ("mean tool calls per sample", [_or_na(r["mean_tool_calls"]) for r in runs]),
         ("tool error rate", [_or_na(r["tool_error_rate"], "{:.1%}") for r in runs]),
-        ("hallucinated tool calls", [str(r["hallucinated_tool_calls"]) for r in runs]),
+        ("samples calling a tool not offered", [str(r["samples_with_hallucinated_tools"]) for r in runs]),
         ("reasoning coverage", [_or_na(r["reasoning_coverage"], "{:.1%}") for r in runs]),
         ("tokens prompt / completion / reasoning",
          [" / ".join(str(r["tokens"][k]) for k in ("prompt", "completion", "reasoning")) for r in runs]),
