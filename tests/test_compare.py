@@ -207,12 +207,32 @@ def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli):
     assert found["pairs"][0]["outcome"] == "completed" and found["pairs"][0]["both"] == 16
 
 
+def test_ctrl_c_stops_a_models_run_and_starts_no_other_model(cli):
+    server = start_server({"models": {"first": {"default": [{**think("42"), "delay": 0.3}]}}, "default": [think("42")]})
+    try:
+        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
+        process = cli.start(*cli.args(server, run_name="eval", model=None, models="first,second", concurrency=2))
+        deadline = time.monotonic() + 120
+        while not (cli.run_dir("eval") / "first").is_dir() or len(_rows(cli.run_dir("eval") / "first")) < 2:
+            assert time.monotonic() < deadline and process.poll() is None, "the first model never got going"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        asked = {r["body"]["model"] for r in server.requests()}
+    finally:
+        server.stop()
+    assert process.returncode == 130, stderr
+    assert "not started: second" in stderr and "--models=first,second" in stderr and "--resume" in stderr
+    assert asked == {"first"} and not (cli.run_dir("eval") / "second").exists()
+
+
 def test_models_usage_errors_are_one_line(cli, tmp_path):
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
     base = ["--dataset_file=prompts.jsonl", "--run_name=eval", "--base_url=http://127.0.0.1:9/v1", "--api_key=k"]
     for flags, message in [(["--models=one"], "two or more different models"),
                            (["--models=a/b,a_b"], "share a directory name"),
-                           (["--models=a,b", "--compare_out=x"], "--compare_out goes with --compare")]:
+                           (["--models=a,b", "--compare_out=x"], "--compare_out goes with --compare"),
+                           (["--models=a,b", "--model=c"], "--model and --models")]:
         done = cli.run(*base, *flags)
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 

@@ -8,7 +8,7 @@ seed and the prompt's key alone, so every model is offered the same toolsets for
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from trajgen import compare_command, console, run as run_module
@@ -16,6 +16,7 @@ from trajgen.errors import UsageError
 from trajgen.options import RunOptions, as_list, check as check_options
 
 INTERRUPTED, BUDGET = 130, 3
+DEFAULT_MODEL = next(f.default for f in fields(RunOptions) if f.name == "model")
 
 
 def directory(model: str) -> str:
@@ -26,6 +27,8 @@ def directory(model: str) -> str:
 def run(opts: RunOptions) -> int:
     models = as_list(opts.models)
     check_options(opts)
+    if opts.model != DEFAULT_MODEL:
+        raise UsageError("--model and --models: give one of them")
     if len(models) < 2 or len(set(models)) < len(models):
         raise UsageError(f"--models needs two or more different models, comma-separated; got {opts.models!r}")
     names = [directory(m) for m in models]
