@@ -226,6 +226,22 @@ def test_ctrl_c_stops_a_models_run_and_starts_no_other_model(cli):
     assert asked == {"first"} and not (cli.run_dir("eval") / "second").exists()
 
 
+def test_spend_limits_bound_the_whole_models_invocation(cli):
+    server = start_server({"default": [think("42")]})  # 15 tokens a prompt
+    try:
+        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+        done = cli.run(*cli.args(server, run_name="eval", model=None, models="a,b,c", concurrency=1, num_workers=1,
+                                 max_total_tokens=200))
+        asked = [r["body"]["model"] for r in server.requests()]
+    finally:
+        server.stop()
+    assert done.returncode == 3, done.stderr
+    assert asked.count("a") == 10 and 1 <= asked.count("b") < 10 and "c" not in asked  # b had 50 tokens left
+    assert 15 * len(asked) < 200 + 15  # at most the one prompt in flight when the limit was reached
+    assert "--max_total_tokens=50 reached" in done.stderr and "not started: c" in done.stderr
+    assert json.loads((cli.run_dir("eval") / "comparison.json").read_text())["runs"][1]["samples"]["ok"] < 10
+
+
 def test_models_usage_errors_are_one_line(cli, tmp_path):
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
     base = ["--dataset_file=prompts.jsonl", "--run_name=eval", "--base_url=http://127.0.0.1:9/v1", "--api_key=k"]

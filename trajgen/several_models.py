@@ -2,16 +2,19 @@
 
 Each model is a run of its own in <output_dir>/<run_name>/<model>, resumable alone or with the
 whole invocation, and the models run one after another with the same flags: each gets the full
---concurrency, each its own --max_cost and --max_total_tokens. The toolsets are sampled from the
-seed and the prompt's key alone, so every model is offered the same toolsets for a prompt.
+--concurrency, and --max_cost and --max_total_tokens bound the invocation, each model getting what
+the models before it left. The toolsets are sampled from the seed and the prompt's key alone, so
+every model is offered the same toolsets for a prompt.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import fields, replace
+from itertools import chain
 from pathlib import Path
 
-from trajgen import compare_command, console, run as run_module
+from trajgen import compare_command, console, run as run_module, store
+from trajgen.scheduler import paid
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions, as_list, check as check_options
 
@@ -42,10 +45,22 @@ def run(opts: RunOptions) -> int:
         raise UsageError(f"{parent} already holds runs of {', '.join(existing)}: pass --resume to continue them "
                          "or --overwrite to start again")
     codes: list[int] = []
+    cost_left, tokens_left = opts.max_cost, opts.max_total_tokens
     for i, (model, name) in enumerate(zip(models, names)):
+        if (cost_left is not None and cost_left <= 0) or (tokens_left is not None and tokens_left <= 0):
+            console.notice(f"the spend limit is reached; not started: {', '.join(models[i:])}")
+            codes.append(BUDGET)
+            break
         console.out.rule(f"model {i + 1} of {len(models)}: {model}")
-        code = run_module.main(replace(opts, model=model, models=None, output_dir=str(parent), run_name=name))
+        limited = cost_left is not None or tokens_left is not None
+        before = spent(parent / name) if limited else (0.0, 0)
+        code = run_module.main(replace(opts, model=model, models=None, output_dir=str(parent), run_name=name,
+                                       max_cost=cost_left, max_total_tokens=tokens_left))
         codes.append(code)
+        if limited:
+            after = spent(parent / name)
+            cost_left = None if cost_left is None else cost_left - (after[0] - before[0])
+            tokens_left = None if tokens_left is None else tokens_left - (after[1] - before[1])
         if code == INTERRUPTED:
             if models[i + 1:]:
                 console.notice(f"not started: {', '.join(models[i + 1:])}")
@@ -55,3 +70,19 @@ def run(opts: RunOptions) -> int:
         console.out.rule("comparison")
         compare_command.write(done, parent)
     return 1 if 1 in codes else BUDGET if BUDGET in codes else max(codes)
+
+
+def spent(run_dir: Path) -> tuple[float, int]:
+    """(dollars, tokens) paid for the records of a run directory, counted as the scheduler counts
+    them: before and after a model's run, the difference is what that run spent."""
+    if not run_dir.is_dir():
+        return 0.0, 0
+    rows = (row for _, path in store.batch_files(run_dir) for _, row in store.read_lines(path, []))
+    discarded = ((r.get("row") or {}) for r in store.read_records(run_dir / store.DISCARDED, []))
+    usages = chain(((row.get("metadata") or {}).get("usage") for row in chain(rows, discarded)),
+                   (r.get("usage") for r in store.read_records(run_dir / store.FAILURES, [])))
+    cost, tokens = 0.0, 0
+    for usage in usages:
+        one = paid({"prompt_tokens": 0, "completion_tokens": 0, **(usage or {})})
+        cost, tokens = cost + one[0], tokens + one[1]
+    return cost, tokens
