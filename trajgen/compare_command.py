@@ -17,15 +17,21 @@ JSON, HTML = "comparison.json", "comparison.html"
 def run(opts: RunOptions) -> int:
     if opts.models:
         raise UsageError("--compare compares finished runs and --models makes new ones: give one of them")
-    paths = [Path(p) for p in as_list(opts.compare)]
-    for path in paths:
-        if not path.is_dir():
-            raise UsageError(f"--compare {path}: no such run directory")
+    paths = [run for p in as_list(opts.compare) for run in runs_in(Path(p))]
     if opts.view:
         found, runs = compare.compare(paths)
         return comparison.serve(found, runs, opts.view_port)
     write(paths, Path(opts.compare_out or "."))
     return 0
+
+
+def runs_in(path: Path) -> list[Path]:
+    """The run directory `path`, or the runs of a --models invocation in it (in its order)."""
+    if not path.is_dir():
+        raise UsageError(f"--compare {path}: no such run directory")
+    if (path / "manifest.json").exists() or not (path / JSON).exists():
+        return [path]
+    return [path / Path(run["run_dir"]).name for run in store.read_json(path / JSON).get("runs", [])]
 
 
 def write(paths: list[Path], out: Path) -> dict:

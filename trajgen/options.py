@@ -63,7 +63,7 @@ class RunOptions:
     export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).")
     view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.")
     report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.")
-    compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.")
+    compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.")
     compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).")
     models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0)
