@@ -15,7 +15,7 @@ from trajgen.viewer import conversation, render, server
 from trajgen.viewer.query import Filtering
 
 INLINE = 200  # discordant prompts per pair whose conversations comparison.html holds; the rest are listed
-Link = Callable[[dict, str], str]  # (pair, prompt key) -> the href of its side-by-side view, or ""
+Link = Callable[[dict, str], str]  # (pair, prompt key) -> the address of its side-by-side view
 
 
 def _e(value) -> str:
@@ -121,32 +121,34 @@ def side_by_side(key: str, a: Run, b: Run, labels: tuple[str, str]) -> str:
                            + turns_html(shown["turns"]))
         verdict = {True: "passed", False: "not passed", None: "not judged"}[passed(run.groups.get(key, []))]
         columns.append(f'<div class="side"><h3>{_e(label)}: {_e(verdict)}</h3>'
-                       f'{"".join(samples) or "<p class=empty>not in this run</p>"}</div>')
+                       f'{"".join(samples) or """<p class="empty">not in this run</p>"""}</div>')
     return f'<div class="pair">{"".join(columns)}</div>'
 
 
-def comparison_html(found: dict, runs: list[Run], link: Link | None = None,
-                    every_prompt: bool = False) -> str:
-    """The comparison's body. `link`: where each prompt's side-by-side view is (the viewer); without
-    it the side-by-side views of the discordant prompts are inline (comparison.html)."""
+def comparison_html(found: dict, runs: list[Run], link: Link | None = None) -> str:
+    """The comparison's body. With `link` (the viewer) every shared prompt links to its side-by-side
+    view; without it the prompts only one run solved hold theirs inline (comparison.html)."""
     figures = found["runs"]
     head = f"<h2>Comparison of {len(figures)} runs over {found['shared_prompts']} shared prompts</h2>"
     head += "".join(f'<p class="live">{_e(w)}</p>' for w in found["warnings"])
-    parts = [render._section("Per run", _table(["", *(f"{i}: {r['run_dir']}" for i, r in enumerate(figures))],
-                                                   figure_rows(figures), "figures"))]
+    parts = [_card("Per run", _table(["", *(f"{i}: {r['run_dir']}" for i, r in enumerate(figures))],
+                                     figure_rows(figures), "figures"))]
     for pair in found["pairs"]:
         a, b = runs[pair["a"]], runs[pair["b"]]
         label = pair_label(pair, figures)
         table = _table(["", ""], [(name, [value]) for name, value in pair_rows(pair)], "pair-table")
         table += f'<p class="live">{_e(pair["note"])}</p>' if pair["note"] else ""
-        listed = _prompt_list(pair, a, b, link, every_prompt)
-        parts.append(f'<section class="card wide"><h3>{_e(label)}</h3>{table}{listed}</section>')
+        parts.append(_card(label, table + _prompt_list(pair, a, b, link), "wide"))
     return head + '<div class="cards">' + "".join(parts) + "</div>"
 
 
-def _prompt_list(pair: dict, a: Run, b: Run, link: Link | None, every_prompt: bool) -> str:
+def _card(title: str, content: str, cls: str = "") -> str:
+    return f'<section class="card {cls}"><h3>{_e(title)}</h3>{content}</section>'
+
+
+def _prompt_list(pair: dict, a: Run, b: Run, link: Link | None) -> str:
     word = pair["outcome"]
-    if every_prompt:
+    if link:
         keys = sorted(a.groups.keys() & b.groups.keys())
         items = [(k, (a.groups[k][0].preview or b.groups[k][0].preview), _outcome(a, b, k, word)) for k in keys]
         title = f"Every shared prompt ({len(items)})"
@@ -192,7 +194,7 @@ def serve(found: dict, runs: list[Run], port: int) -> int:
     """The viewer of a comparison: every shared prompt of each pair, each opening both runs'
     conversations side by side. Until Ctrl-C; returns the exit status."""
     link = lambda pair, key: "/pair?" + urlencode({"a": pair["a"], "b": pair["b"], "key": key})  # noqa: E731
-    front = _viewer_page(f"Comparison of {len(runs)} runs", comparison_html(found, runs, link, every_prompt=True))
+    front = _viewer_page(f"Comparison of {len(runs)} runs", comparison_html(found, runs, link))
 
     class Handler(server.BaseHandler):
         def do_GET(self) -> None:
