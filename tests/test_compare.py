@@ -99,6 +99,12 @@ def test_models_run_writes_the_comparison_with_hand_checked_figures(made):
     assert {k: pair[k] for k in ("outcome", "both", "only_a", "only_b", "neither", "p_value")} == {
         "outcome": "passed", "both": 3, "only_a": 6, "only_b": 1, "neither": 2, "p_value": 0.125}
     assert sorted(d["preview"] for d in pair["discordant"]) == sorted(PROMPTS[i] for i in GOOD ^ BAD)
+    for d in pair["discordant"]:  # each run's record: the winner's passed sample, the loser's first
+        winner, loser = (d["a"], d["b"]) if d["solved_by"] == "a" else (d["b"], d["a"])
+        assert winner["verdict"] == "passed" and loser["verdict"] == "failed" and loser["key"] == d["prompt_key"]
+        run = cli.run_dir("eval") / ("good" if d["solved_by"] == "a" else "bad")
+        line = (run / winner["file"]).read_text().splitlines()[winner["line"] - 1]
+        assert json.loads(line)["metadata"]["prompt_key"] == winner["key"]
     assert found["settings_that_differ"] == {"model": ["good", "bad"]} and found["warnings"] == []
     table = done.stdout[done.stdout.index("Comparison over 12 shared prompts"):]
     assert re.search(r"pass rate, prompts \[95% CI\]\s*│\s*75\.0% \[46\.8, 91\.1\] of 12\s*│\s*33\.3% \[13\.8, 60\.9\] of 12", table)
@@ -125,6 +131,7 @@ def test_compare_over_overlapping_datasets_uses_the_shared_prompts_and_warns(mad
     assert found["settings_that_differ"] == {"model": ["bad", "good"], "max_turns": [10, 5]}
     assert any("share 6 prompts" in w for w in found["warnings"])
     assert any(w.startswith("max_turns differs") for w in found["warnings"])
+    assert any(w.startswith("samples per prompt differ (bad (bad): 2, good (other): 1)") for w in found["warnings"])
     assert "max_turns differs" in done.stderr
     pair = found["pairs"][0]  # bad passes task 9 only; good passes task 6, 7, 8
     assert (pair["both"], pair["only_a"], pair["only_b"], pair["neither"]) == (0, 1, 3, 2)

@@ -103,6 +103,8 @@ def load(path: Path) -> Run:
             continue
         found = _sample(entry, index.read(entry))
         groups.setdefault(found.group, []).append(found)
+    for samples in groups.values():
+        samples.sort(key=lambda s: int(s.key.partition("~")[2] or 0))  # sample 0 first
     return Run(path, _read(path / "manifest.json"), _read(path / merge.STATISTICS), groups, index)
 
 
@@ -233,13 +235,13 @@ def pair_figures(a: Run, b: Run, names: tuple[int, int]) -> dict:
 
 
 def _discordant(key: str, a: Run, b: Run, a_won: bool) -> dict:
-    first = lambda run: run.groups[key][0]  # noqa: E731
-    return {"prompt_key": key, "preview": first(a).preview or first(b).preview, "solved_by": "a" if a_won else "b",
-            "a": _where(a, key), "b": _where(b, key)}
+    return {"prompt_key": key, "preview": a.groups[key][0].preview or b.groups[key][0].preview,
+            "solved_by": "a" if a_won else "b", "a": _where(a.groups[key]), "b": _where(b.groups[key])}
 
 
-def _where(run: Run, key: str) -> dict:
-    sample = run.groups[key][0]
+def _where(samples: list[Sample]) -> dict:
+    """Where a run's record of the prompt is: its first passed sample, else its first sample."""
+    sample = next((s for s in samples if s.verdict == Verdict.PASSED.value), samples[0])
     return {"key": sample.key, "status": sample.status, "verdict": sample.verdict, "file": sample.file, "line": sample.line}
 
 
@@ -258,6 +260,10 @@ def compare(paths: list[Path]) -> tuple[dict, list[Run]]:
     differ = settings_that_differ(runs)
     warnings = [f"{name} differs: " + ", ".join(f"{r.label}: {v!r}" for r, v in zip(runs, values))
                 for name, values in differ.items() if name != "model"]
+    samples = [max(map(len, r.groups.values()), default=0) for r in runs]
+    if len(set(samples)) > 1:
+        warnings.append("samples per prompt differ (" + ", ".join(f"{r.label}: {n}" for r, n in zip(runs, samples))
+                        + "): a prompt passes if any of its samples passed, so more samples mean more chances")
     if any(len(r.groups) != len(shared) for r in runs):
         warnings.append(f"the runs share {len(shared)} prompts of " + ", ".join(f"{len(r.groups)}" for r in runs)
                         + ": every figure is over the shared ones")
