@@ -11,7 +11,9 @@ import time
 import pytest
 
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, write_jsonl
-from trajgen import compare, dataset
+from trajgen import compare, dataset, run
+from trajgen.errors import UsageError
+from trajgen.options import RunOptions
 from trajgen.scripted_server import start_server
 
 ANSWER_IS_42 = 'test "$(cat .trajgen/final_answer.txt)" = 42'
@@ -102,8 +104,8 @@ def test_models_run_writes_the_comparison_with_hand_checked_figures(made):
     for d in pair["discordant"]:  # each run's record: the winner's passed sample, the loser's first
         winner, loser = (d["a"], d["b"]) if d["solved_by"] == "a" else (d["b"], d["a"])
         assert winner["verdict"] == "passed" and loser["verdict"] == "failed" and loser["key"] == d["prompt_key"]
-        run = cli.run_dir("eval") / ("good" if d["solved_by"] == "a" else "bad")
-        line = (run / winner["file"]).read_text().splitlines()[winner["line"] - 1]
+        run_dir = cli.run_dir("eval") / ("good" if d["solved_by"] == "a" else "bad")
+        line = (run_dir / winner["file"]).read_text().splitlines()[winner["line"] - 1]
         assert json.loads(line)["metadata"]["prompt_key"] == winner["key"]
     assert found["settings_that_differ"] == {"model": ["good", "bad"]} and found["warnings"] == []
     table = done.stdout[done.stdout.index("Comparison over 12 shared prompts"):]
@@ -164,12 +166,27 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
     assert found["runs"][1]["latency"] == {"latency.ttft_median": 0.5, "time_to_first_token_p90": 1.25}
 
 
-def test_compare_usage_errors_are_one_line(cli):
-    for flags, message in [(["--compare=nowhere,elsewhere"], "no such run directory"),
-                           (["--compare=."], "two or more run directories"),
-                           (["--compare=.", "--models=a,b"], "give one of them")]:
-        done = cli.run(*flags)
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+@pytest.mark.parametrize("flags, message", [
+    ({"compare": "nowhere,elsewhere"}, "no such run directory"),
+    ({"compare": "."}, "two or more run directories"),
+    ({"compare": ".", "models": "a,b"}, "give one of them"),
+    ({"models": "one"}, "two or more different models"),
+    ({"models": "a/b,a_b"}, "share a directory name"),
+    ({"models": "a,b", "compare_out": "x"}, "--compare_out goes with --compare"),
+    ({"models": "a,b", "model": "c"}, "--model and --models"),
+])
+def test_usage_errors_of_compare_and_models(tmp_path, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}])
+    base = {"dataset_file": "prompts.jsonl", "run_name": "eval", "base_url": "http://127.0.0.1:9/v1", "api_key": "k"}
+    with pytest.raises(UsageError, match=re.escape(message)):
+        run.main(RunOptions(**base, **flags))
+    assert list(tmp_path.iterdir()) == [tmp_path / "prompts.jsonl"]  # nothing written
+
+
+def test_a_usage_error_is_one_line_from_the_cli(cli):
+    done = cli.run("--compare=nowhere,elsewhere")
+    assert done.returncode == 2 and done.stderr.strip() == "error: --compare nowhere: no such run directory"
 
 
 def _journaled(run_dir, prompts_by_key: dict[str, str]) -> set[tuple[str, int]]:
@@ -247,17 +264,6 @@ def test_spend_limits_bound_the_whole_models_invocation(cli):
     assert 15 * len(asked) < 200 + 15  # at most the one prompt in flight when the limit was reached
     assert "--max_total_tokens=50 reached" in done.stderr and "not started: c" in done.stderr
     assert json.loads((cli.run_dir("eval") / "comparison.json").read_text())["runs"][1]["samples"]["ok"] < 10
-
-
-def test_models_usage_errors_are_one_line(cli, tmp_path):
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    base = ["--dataset_file=prompts.jsonl", "--run_name=eval", "--base_url=http://127.0.0.1:9/v1", "--api_key=k"]
-    for flags, message in [(["--models=one"], "two or more different models"),
-                           (["--models=a/b,a_b"], "share a directory name"),
-                           (["--models=a,b", "--compare_out=x"], "--compare_out goes with --compare"),
-                           (["--models=a,b", "--model=c"], "--model and --models")]:
-        done = cli.run(*base, *flags)
-        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
 # Chromium: comparison.html on its own, and the comparison viewer.
