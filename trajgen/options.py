@@ -63,6 +63,9 @@ class RunOptions:
     export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).")
     view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.")
     report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.")
+    compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.")
+    compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).")
+    models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0)
     dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.")
     max_cost: float | None = flag(None, "Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).", minimum=0)
@@ -119,7 +122,7 @@ class RunOptions:
     def forks_workers(self) -> bool:
         """Whether this invocation runs prompts in the process pool, whose workers fork from trajgen/fork_server.py."""
         return self.executor == "processes" and not (self.dry_run or self.list_distributions or self.export
-                                                     or self.view or self.report)
+                                                     or self.view or self.report or self.compare)
 
     @property
     def backend(self) -> str:
@@ -229,6 +232,8 @@ def check(opts: RunOptions) -> None:
         if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
                                 or not urllib.parse.urlsplit(url).hostname):
             raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+    if opts.compare_out:
+        raise UsageError("--compare_out goes with --compare (--models writes its comparison into <output_dir>/<run_name>/)")
     if opts.export_outcome and not opts.export:
         raise UsageError("--export_outcome selects rows for --export; pass --export too")
     if opts.backend not in BACKENDS:

@@ -57,6 +57,12 @@ def main(opts: RunOptions) -> int:
         return 0
     if opts.export:
         return run_export(opts)
+    if opts.compare:
+        from trajgen import compare_command
+        return compare_command.run(opts)
+    if opts.models:
+        from trajgen import several_models
+        return several_models.run(opts)
     if opts.view or opts.report:
         from trajgen.viewer import command as viewer  # the viewer's modules only when asked for
         return viewer.run(opts)

@@ -82,17 +82,22 @@ class _Signals:
             signal.signal(sig, handler)
 
 
+def paid(usage: dict) -> tuple[float, int]:
+    """What an invocation paid for one prompt (dollars, tokens), whatever its outcome (a failed
+    prompt's replies were paid for too), less the replies a row replayed from the journal."""
+    replayed = usage.get("replayed") or journal.empty_replayed()
+    return ((usage.get("cost") or 0.0) - (replayed["cost"] or 0.0),
+            usage["prompt_tokens"] + usage["completion_tokens"] - replayed["prompt_tokens"] - replayed["completion_tokens"])
+
+
 class _Spend:
     def __init__(self, limits: Limits):
         self.limits, self.cost, self.tokens = limits, 0.0, 0
 
     def add(self, usage: dict) -> None:
-        """What this invocation paid for one prompt, whatever its outcome (a failed prompt's replies
-        were paid for too), less the replies a row replayed from the journal."""
-        replayed = usage.get("replayed") or journal.empty_replayed()
-        self.cost += (usage.get("cost") or 0.0) - (replayed["cost"] or 0.0)
-        self.tokens += (usage["prompt_tokens"] + usage["completion_tokens"]
-                        - replayed["prompt_tokens"] - replayed["completion_tokens"])
+        cost, tokens = paid(usage)
+        self.cost += cost
+        self.tokens += tokens
 
     def exceeded(self) -> str | None:
         s = self.limits

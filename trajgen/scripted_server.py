@@ -23,8 +23,12 @@ Script format (a dict, or a JSON file holding one)
       "default": [<reply>, ...],   # prompts not listed (absent: [{"content": "ok"}])
       "prompts": {"<prompt text>": [<reply>, ...]},          # exact match first
       "match": [{"contains": "<substring>", "replies": [<reply>, ...]}],  # then in order
-      "outage": {"status": 429, "seconds": 20.0, "retry_after": None, "error": "..."}
+      "outage": {"status": 429, "seconds": 20.0, "retry_after": None, "error": "..."},
+      "models": {"<model>": {"default": ..., "prompts": ..., "match": ...}}
     }
+
+``models`` (optional): a request whose ``model`` is listed is answered from that
+model's own ``default``/``prompts``/``match`` (several models, one server).
 
 ``outage`` (optional): every chat request within ``seconds`` of the first one the
 script sees answers ``status`` (a storm of 429s, a 503 outage); after it the
@@ -176,6 +180,7 @@ def normalize_script(script: Any) -> dict[str, Any]:
             for m in match
         ],
         "outage": script.get("outage"),
+        "models": {str(k): normalize_script(v) for k, v in (script.get("models") or {}).items()},
     }
 
 
@@ -319,7 +324,7 @@ class ScriptedBackend:
             return outcome
         prompt, turn = conversation_key(body)
         with self._lock:
-            reply = self._outage(arrived) or self._pick_reply(prompt, turn)
+            reply = self._outage(arrived) or self._pick_reply(prompt, turn, body.get("model"))
             latency = self._script["latency"]
         outcome = self._build(reply, body)
         outcome.delay += latency
@@ -337,9 +342,9 @@ class ScriptedBackend:
             self._outage_ends = now + float(outage["seconds"])
         return outage if now < self._outage_ends else None
 
-    def _pick_reply(self, prompt: str | None, turn: int) -> dict[str, Any]:
+    def _pick_reply(self, prompt: str | None, turn: int, model: Any = None) -> dict[str, Any]:
         """Script lookup plus the ``times`` rule; caller holds the lock."""
-        replies = self._replies_for(prompt)
+        replies = self._replies_for(prompt, self._script["models"].get(str(model), self._script))
         reply = replies[min(turn, len(replies) - 1)]
         if ("status" in reply or "body" in reply) and "times" in reply:
             key = (prompt, turn)
@@ -350,8 +355,7 @@ class ScriptedBackend:
                 return then if isinstance(then, dict) else FALLBACK_REPLY
         return reply
 
-    def _replies_for(self, prompt: str | None) -> list[dict[str, Any]]:
-        script = self._script
+    def _replies_for(self, prompt: str | None, script: dict[str, Any]) -> list[dict[str, Any]]:
         if prompt is not None:
             exact = script["prompts"].get(prompt)
             if exact:

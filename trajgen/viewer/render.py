@@ -137,6 +137,10 @@ def stylesheet() -> str:
 
 
 def report_html(summary: Summary) -> str:
+    return standalone("Report: " + str(summary.stats["run_name"]), summary_html(summary), "batch_runner.py --report")
+
+
+def standalone(title: str, body: str, written_by: str) -> str:
     """A page that needs nothing but itself: the stylesheet inline, allowed by its hash alone."""
     css = stylesheet()
     digest = base64.b64encode(hashlib.sha256(css.encode()).digest()).decode()
@@ -144,6 +148,6 @@ def report_html(summary: Summary) -> str:
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
-            f'<title>{_e("Report: " + str(summary.stats["run_name"]))}</title><style>{css}</style></head>'
-            f'<body class="report"><main id="summary">{summary_html(summary)}'
-            f'<p class="empty">Written by <code>batch_runner.py --report</code> at {_e(now())}.</p></main></body></html>\n')
+            f'<title>{_e(title)}</title><style>{css}</style></head>'
+            f'<body class="report"><main id="summary">{body}'
+            f'<p class="empty">Written by <code>{_e(written_by)}</code> at {_e(now())}.</p></main></body></html>\n')

@@ -91,36 +91,52 @@ def _int(value: str | None, default: int) -> int:
         return default
 
 
+class BaseHandler(BaseHTTPRequestHandler):
+    """Answers only requests naming its own host, every answer under the viewer's policy."""
+
+    server_version = "trajgen-viewer"
+    port_box: list[int]
+
+    def log_message(self, format, *args) -> None:  # quiet: the terminal shows only the URL
+        pass
+
+    def _send(self, code: int, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Security-Policy", POLICY)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, obj, code: int = 200) -> None:
+        self._send(code, orjson.dumps(obj), "application/json")
+
+    def _own_host(self) -> bool:
+        own = self.headers.get("Host") in (f"127.0.0.1:{self.port_box[0]}", f"localhost:{self.port_box[0]}")
+        if not own:
+            self._send(HTTPStatus.FORBIDDEN, b"forbidden host", "text/plain")
+        return own
+
+    def _static(self, path: str) -> bool:
+        if path not in STATIC:
+            return False
+        name, content_type = STATIC[path]
+        self._send(200, resources.files("trajgen.viewer").joinpath("static", name).read_bytes(), content_type)
+        return True
+
+
 def handler(viewer: Viewer, port_box: list[int]):
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "trajgen-viewer"
-
-        def log_message(self, format, *args) -> None:  # quiet: the terminal shows only the URL
-            pass
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Content-Security-Policy", POLICY)
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Referrer-Policy", "no-referrer")
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _json(self, obj, code: int = 200) -> None:
-            self._send(code, orjson.dumps(obj), "application/json")
-
+    class Handler(BaseHandler):
         def do_GET(self) -> None:
-            if self.headers.get("Host") not in (f"127.0.0.1:{port_box[0]}", f"localhost:{port_box[0]}"):
-                return self._send(HTTPStatus.FORBIDDEN, b"forbidden host", "text/plain")
+            if not self._own_host():
+                return
             url = urlsplit(self.path)
             params = dict(parse_qsl(url.query))
-            if url.path in STATIC:
-                name, content_type = STATIC[url.path]
-                body = resources.files("trajgen.viewer").joinpath("static", name).read_bytes()
-                return self._send(200, body, content_type)
+            if self._static(url.path):
+                return
             with viewer.lock:
                 viewer.fresh()
                 if url.path == "/api/summary":
@@ -132,6 +148,7 @@ def handler(viewer: Viewer, port_box: list[int]):
                     return self._json(found) if found else self._json({"error": "no such prompt"}, 404)
             self._json({"error": "not found"}, 404)
 
+    Handler.port_box = port_box
     return Handler
 
 
@@ -149,14 +166,19 @@ def serve(index: RunIndex, port: int) -> int:
     viewer = Viewer(index)
     viewer.summary()  # the first page the browser asks for is then ready
     viewer.pager.ordered()
+    return listen(handler(viewer, port_box), port_box, f"viewing {index.run_dir}")
+
+
+def listen(handler_class: type[BaseHandler], port_box: list[int], what: str) -> int:
+    """Serve `handler_class` on 127.0.0.1:port_box[0] until Ctrl-C; port_box then holds the port."""
     try:
-        server = _Server(("127.0.0.1", port), handler(viewer, port_box))
+        server = _Server(("127.0.0.1", port_box[0]), handler_class)
     except OSError as e:
-        console.error(f"cannot listen on 127.0.0.1:{port}: {e.strerror} (--view_port=0 takes any free port)")
+        console.error(f"cannot listen on 127.0.0.1:{port_box[0]}: {e.strerror} (--view_port=0 takes any free port)")
         return 2
     port_box[0] = server.server_address[1]
     try:
-        console.out.print(f"viewing {index.run_dir} at http://127.0.0.1:{port_box[0]}/ (Ctrl-C stops)")
+        console.out.print(f"{what} at http://127.0.0.1:{port_box[0]}/ (Ctrl-C stops)")
         server.serve_forever()
     except KeyboardInterrupt:
         pass
