@@ -9,6 +9,7 @@ of the run directory -> merge -> statistics. The flags are the fields of `trajge
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from trajgen import options
@@ -49,18 +50,19 @@ def main(**flag_values) -> None:
     sys.exit(code)
 
 
+SUMMARY = "Run a tool-using agent over every prompt of a JSONL dataset and write trajectories."
 main.__signature__ = options.signature()
-main.__doc__ = options.docstring("Run a tool-using agent over every prompt of a JSONL dataset and write trajectories.")
+main.__doc__ = options.docstring(SUMMARY)
 
 
 def cli(argv: list[str]) -> None:
-    """Every argument is checked before anything starts; Fire renders --help."""
+    """Every argument is checked before anything starts; --help is printed from RunOptions, with no pager."""
     from trajgen import console, flags
 
     if flags.wants_help(argv):
-        import fire
+        from trajgen import usage
 
-        fire.Fire(main, command=["--help"], name="batch_runner.py")
+        print(usage.help_text(shlex.join(console.invocation()), SUMMARY))
         return
     try:
         parsed = flags.parse(argv)

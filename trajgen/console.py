@@ -1,8 +1,11 @@
 """Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -16,6 +19,17 @@ err = Console(stderr=True, highlight=False)
 
 
 SECRET_FLAGS = ("--api_key", "--vision_api_key")
+KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+
+
+def invocation() -> list[str]:
+    """The interpreter and the script as the user ran them, so that a printed command works pasted
+    in the directory they ran it from: `python` when that is this interpreter on PATH."""
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+            return [name, sys.argv[0]]
+    return [sys.executable, sys.argv[0]]
 
 
 def resume_command() -> str:
@@ -31,8 +45,12 @@ def resume_command() -> str:
             drop_next = "=" not in arg  # `--api_key KEY`: the key is the next word
         elif name not in ("--resume", "--overwrite"):
             args.append(arg)
-    command = shlex.join(["python", "batch_runner.py", *args, "--resume"])
-    return command + (f"  # give {' and '.join(dropped)} again, or set the key's environment variable" if dropped else "")
+    command = shlex.join([*invocation(), *args, "--resume"])
+    if not dropped:
+        return command
+    ways = [f"set {KEY_VARIABLES} or give --api_key again"] if "--api_key" in dropped else []
+    ways += ["give --vision_api_key again"] if "--vision_api_key" in dropped else []
+    return f"{command}  # without the key: {'; '.join(ways)}"
 
 
 def error(message: str) -> None:

@@ -13,7 +13,8 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler, store
+from trajgen import (console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler,
+                     store, usage)
 from trajgen import plan as plan_module
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
@@ -53,7 +54,11 @@ class Prepared:
 def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
-        console.out.print(console.distributions_table())
+        print(usage.distributions_text())
+        return 0
+    if opts.list_tools:
+        from trajgen import tool_check
+        print(tool_check.listing(opts))
         return 0
     if opts.export:
         return run_export(opts)
