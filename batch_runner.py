@@ -37,15 +37,15 @@ def main(**flag_values) -> None:
         console.stopped(f"{e}. Every row already written is kept; free some space, then resume with:")
         sys.exit(1)
     except BackendUnreachable as e:  # found when the images were checked, before any prompt was sent
-        console.error(f"{e}; nothing was sent")
+        console.error(f"{e}; nothing was sent. Fix it, then run the same command again")
         sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
-        console.error("interrupted")
+        console.error("interrupted before any prompt was sent; run the same command again to start")
         sys.exit(130)
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
-        console.error(f"{type(e).__name__}: {e}")
+        console.error(f"{type(e).__name__}: {e} (a bug: TRAJGEN_DEBUG=1 shows where; every row already written is kept)")
         sys.exit(1)
     sys.exit(code)
 

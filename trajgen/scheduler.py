@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Protocol
 import orjson
 
 from trajgen import console, journal, store
-from trajgen.errors import ImageUnavailable, RunStopped
-from trajgen.messages import Event, Fatal, Finished, Log, Replied, Throttled
+from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped
+from trajgen.messages import Event, Fatal, Finished, Log, Replied, Retrying, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
@@ -57,6 +57,7 @@ class RunEnd:
     not_run: int = 0
     interrupted: bool = False
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
+    unreachable: bool = False  # the fatal error is an endpoint that never answered: nothing was recorded failed
     budget: str | None = None  # which spend limit stopped the run
 
 
@@ -120,6 +121,7 @@ class Scheduler:
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
+        self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
 
     def checkpoint(self) -> dict:
         return {
@@ -170,15 +172,22 @@ class Scheduler:
 
     def handle(self, event: Event) -> None:
         match event:
+            case Finished(outcome) if outcome.reason == EndpointUnreachable.__name__:
+                self.retrying.pop(outcome.key, None)  # not a failure of the prompt: it is still to run
             case Finished(outcome):
+                self.retrying.pop(outcome.key, None)
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
             case Replied():
+                self.retrying.pop(event.key, None)
                 self.writer.journal(journal.entry(event))
+            case Retrying(key):
+                self.retrying[key] = (event, time.monotonic())
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
                 self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
-            case Fatal(reason):
+            case Fatal(reason, unreachable):
+                self.end.unreachable = self.end.unreachable or (self.end.fatal is None and unreachable)
                 self.end.fatal = self.end.fatal or reason
             case Log(text):
                 console.err.print(text)
@@ -198,7 +207,8 @@ class Scheduler:
         tasks = islice(tasks, self.plan.remaining)  # the plan as counted: a line added since waits for a resume
         self.pool.start()
         progress = console.progress_bar()
-        bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
+        bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0, eta="?")
+        began = time.monotonic()
         try:
             with progress:
                 while not self.should_stop(signals):
@@ -208,12 +218,14 @@ class Scheduler:
                         self.handle(event)
                     done = sum(self.counts.values())
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
+                                    eta=console.eta(self.plan.remaining - done, done, time.monotonic() - began),
                                     **self.counts)
+                    progress.status = self.status()
                 if self.pool.inflight:
                     for event in self.pool.cancel():  # what was already on its way: outcomes, and replies paid for
                         if isinstance(event, (Finished, Replied)):
                             self.handle(event)
-                if self.end.fatal:  # the prompts cut short are failed, so the statistics show them
+                if self.end.fatal and not self.end.unreachable:  # the prompts cut short are failed, so the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
         finally:
@@ -224,6 +236,17 @@ class Scheduler:
         self.end.failed = self.counts["failed"]
         self.end.not_run = self.plan.remaining - sum(self.counts.values())
         return self.end
+
+    def status(self) -> str:
+        """The line under the progress bar: the prompts retrying a call (the latest cause, its retry and
+        wait), and the prompts in flight."""
+        line = f"{self.pool.inflight} in flight"
+        if not self.retrying:
+            return line
+        event, since = max(self.retrying.values(), key=lambda pair: pair[1])
+        left = max(0.0, event.wait - (time.monotonic() - since))
+        return (f"{len(self.retrying)} retrying: {event.cause}, attempt {event.attempt}/{event.retries}, "
+                f"next in {left:.0f} s; {line}")
 
     def leave_now(self, on_exit: Callable[[], None]) -> None:
         self.pool.kill()
