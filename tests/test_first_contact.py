@@ -13,7 +13,9 @@ import time
 
 from tests.conftest import read_jsonl, think, write_jsonl
 from tests.test_help import _drain
-from trajgen import store
+from trajgen import dataset, merge, store
+from trajgen.scheduler import PROMPT_EXCERPT, _which
+from trajgen.work import Task
 
 
 def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server):
@@ -51,6 +53,8 @@ def test_a_failed_run_ends_with_the_next_step_and_its_resume_command_works_paste
     assert command.endswith("--resume  # without the key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) "
                             "or give --api_key again") and "dummy-key" not in failed.stderr
     assert shlex.split(command, comments=True)[1] == cli.command()[1]  # the script as invoked
+    [failure] = read_jsonl(work / "data" / "run" / "failures.jsonl")
+    assert (failure["id"], failure["prompt"], failure["error_class"]) == ("f-1", "flaky", "InternalServerError")
     server.set_script({"default": [think()]})
     pasted = subprocess.run(["bash", "-c", command], cwd=work, env=cli.env, capture_output=True, text=True,
                             timeout=180)
@@ -91,6 +95,30 @@ def test_resume_of_a_run_that_does_not_exist_says_so(cli, scripted_server):
     done = cli.run(*cli.args(server, run_name="typo", resume=True))
     assert done.returncode == 2
     assert "--resume: there is no run data/typo to continue" in done.stderr and server.stats()["requests"] == 0
+
+
+def test_a_near_miss_of_the_prompt_key_gets_a_suggestion():
+    assert dataset.parse_line(b'{"promt": "hi", "id": 1}', 4, "p.jsonl") == (
+        "p.jsonl:5: no 'prompt' field (is 'promt' meant to be 'prompt'?)")
+    assert dataset.parse_line(b'{"text": "hi"}', 0, "p.jsonl") == "p.jsonl:1: no 'prompt' field"
+
+
+def test_a_failure_record_names_its_prompt_by_id_and_excerpt():
+    long = Task("k", 0, 0, "x" * 1000, None, None, {"id": "row-7"}, [], [])
+    assert _which(long) == {"id": "row-7", "prompt": "x" * (PROMPT_EXCERPT - 1) + "…"}
+    assert _which(Task("k", 0, 0, "short", None, None, {}, [], [])) == {"id": None, "prompt": "short"}
+
+
+def test_statistics_give_no_rate_to_a_tool_never_called_and_round_costs():
+    tally = merge.Tally()
+    for cost in (0.1, 0.2, 0.006, 0.004):
+        tally.add({"tool_stats": {"terminal": {"count": 1, "success": 1, "failure": 0},
+                                  "web_search": {"count": 0, "success": 0, "failure": 0}},
+                   "metadata": {"usage": {"cost": cost}}})
+    stats = merge.statistics(merge.Merged(kept=tally), {})
+    assert stats["tool_statistics"]["web_search"]["success_rate"] is None
+    assert stats["tool_statistics"]["terminal"]["success_rate"] == 1.0
+    assert tally.cost != 0.31 and stats["cost"] == 0.31
 
 
 class _Url:

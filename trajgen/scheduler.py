@@ -23,6 +23,7 @@ from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
 
 POLL_SECONDS = 0.2
+PROMPT_EXCERPT = 200  # characters of a failed prompt's text in failures.jsonl
 
 
 class Executor(Protocol):
@@ -59,6 +60,15 @@ class RunEnd:
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
     unreachable: bool = False  # the fatal error is an endpoint that never answered: nothing was recorded failed
     budget: str | None = None  # which spend limit stopped the run
+
+
+def _which(task: Task | None) -> dict:
+    """Which prompt a failure record is about, for a person reading it: its dataset `id` and the
+    start of its text."""
+    if task is None:
+        return {}
+    excerpt = task.prompt if len(task.prompt) <= PROMPT_EXCERPT else task.prompt[:PROMPT_EXCERPT - 1] + "…"
+    return {"id": task.extra.get("id"), "prompt": excerpt}
 
 
 def now() -> str:
@@ -142,13 +152,15 @@ class Scheduler:
                 offset = (task.batch_num - self.plan.first_batch) * self.limits.batch_size
                 self.left[task.batch_num] = min(self.limits.batch_size, self.plan.remaining - offset)
             if task.image in self.missing_images and needs_sandbox(task):
-                self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")))
+                self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")),
+                            task)
             else:
                 self.submitted[task.key] = task
                 self.pool.submit(task)
 
-    def record(self, outcome: PromptOutcome) -> None:
-        self.submitted.pop(outcome.key, None)
+    def record(self, outcome: PromptOutcome, task: Task | None = None) -> None:
+        """Write one outcome; `task`, when it was never submitted (the submitted ones are known)."""
+        task = self.submitted.pop(outcome.key, None) or task
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
         self.spend.add(outcome.usage)
         self.writer.user_files(outcome.files)  # before the row that names them
@@ -159,7 +171,7 @@ class Scheduler:
                 self.writer.discarded({**base, "reason": outcome.reason, "row": orjson.Fragment(outcome.row)})
             case Status.FAILED:
                 trace = {"traceback": outcome.traceback} if outcome.traceback else {}
-                self.writer.failed({**base, "error_class": outcome.reason, "message": outcome.message,
+                self.writer.failed({**base, **_which(task), "error_class": outcome.reason, "message": outcome.message,
                                     "usage": outcome.usage, "time": now(), **trace})
                 if self.limits.verbose:
                     console.err.print(f"prompt {outcome.prompt_index} failed: {outcome.reason}: {outcome.message}")

@@ -13,7 +13,7 @@ from importlib import resources
 
 from trajgen import console
 from trajgen.scheduler import now
-from trajgen.viewer.summary import Summary
+from trajgen.viewer.summary import NOT_KEPT_SHOWN, NotKept, Summary
 
 WIDTH = 640
 LABEL = 170  # room for the names left of horizontal bars
@@ -136,8 +136,23 @@ def stylesheet() -> str:
     return resources.files("trajgen.viewer").joinpath("static/app.css").read_text()
 
 
-def report_html(summary: Summary) -> str:
-    """A page that needs nothing but itself: the stylesheet inline, allowed by its hash alone."""
+def not_kept_html(prompts: list[NotKept]) -> str:
+    """The prompts without a kept row, each with its status and why."""
+    if not prompts:
+        return _section("Prompts not kept", '<p class="empty">none: every prompt run has a row in trajectories.jsonl</p>')
+    rows = "".join(f'<tr><td>{_e("" if p.prompt_index is None else p.prompt_index)}</td><td>{_e(p.dataset_id or "")}</td>'
+                   f'<td>{_e(p.status)}</td><td>{_e(p.reason or "")}</td><td>{_e(p.preview)}</td></tr>'
+                   for p in prompts[:NOT_KEPT_SHOWN])
+    more = (f'<p class="empty">and {len(prompts) - NOT_KEPT_SHOWN} more: <code>--view</code> lists them all</p>'
+            if len(prompts) > NOT_KEPT_SHOWN else "")
+    return _section(f"Prompts not kept: failed, discarded, filtered ({len(prompts)})",
+                    '<table class="numbers not-kept"><thead><tr><th>prompt</th><th>id</th><th>status</th>'
+                    f'<th>why</th><th>text</th></tr></thead><tbody>{rows}</tbody></table>{more}')
+
+
+def report_html(summary: Summary, prompts: list[NotKept]) -> str:
+    """A page that needs nothing but itself: the stylesheet inline, allowed by its hash alone;
+    `prompts`: the ones not kept, listed after the summary."""
     css = stylesheet()
     digest = base64.b64encode(hashlib.sha256(css.encode()).digest()).decode()
     policy = f"default-src 'none'; style-src 'sha256-{digest}'; img-src data:; base-uri 'none'; form-action 'none'"
@@ -145,5 +160,5 @@ def report_html(summary: Summary) -> str:
             f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
             f'<title>{_e("Report: " + str(summary.stats["run_name"]))}</title><style>{css}</style></head>'
-            f'<body class="report"><main id="summary">{summary_html(summary)}'
+            f'<body class="report"><main id="summary">{summary_html(summary)}{not_kept_html(prompts)}'
             f'<p class="empty">Written by <code>batch_runner.py --report</code> at {_e(now())}.</p></main></body></html>\n')
