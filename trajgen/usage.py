@@ -51,10 +51,10 @@ def entry(field: dataclasses.Field, columns: int, column: int) -> str:
     """One flag: its name, the first sentence of its help, its full default, wrapped under the help."""
     default = shown_default(field)
     text = short_help(field.metadata["help"]) + (f" [default: {default}]" if default else "")
-    name = f"  --{field.name}"
-    indent = " " * column if column < columns // 2 else "      "
-    head = name.ljust(column) if len(name) + 2 <= column else name + "  "
-    return fill(text, columns, head, indent)
+    name, indent = f"  --{field.name}", " " * column
+    if len(name) + 2 > column:  # a long name, or a narrow terminal: the help starts on the next line
+        return f"{name}\n{fill(text, columns, indent, indent)}"
+    return fill(text, columns, name.ljust(column), indent)
 
 
 def sections() -> list[tuple[str, list[dataclasses.Field]]]:
@@ -68,7 +68,7 @@ def sections() -> list[tuple[str, list[dataclasses.Field]]]:
 
 def help_text(prog: str, summary: str) -> str:
     columns = width()
-    column = min(max(len(f.name) for f in FIELDS) + 6, columns // 3)
+    column = min(max(len(f.name) for f in FIELDS) + 6, max(columns // 3, 20))
     parts = [fill(f"usage: {prog} --dataset_file=FILE --run_name=NAME [more --flag=value]", columns), "",
              fill(summary, columns)]
     for title, fields in sections():
