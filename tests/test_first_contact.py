@@ -2,17 +2,12 @@
 against the loopback scripted server."""
 from __future__ import annotations
 
-import os
-import pty
 import re
-import select
 import shlex
 import socket
 import subprocess
-import time
 
-from tests.conftest import read_jsonl, think, write_jsonl
-from tests.test_help import _drain
+from tests.conftest import in_terminal, read_jsonl, think, write_jsonl
 from trajgen import dataset, merge, store
 from trajgen.scheduler import PROMPT_EXCERPT, _which
 from trajgen.work import Task
@@ -66,25 +61,9 @@ def test_a_failed_run_ends_with_the_next_step_and_its_resume_command_works_paste
 def test_the_retry_line_shows_under_the_bar_while_the_server_answers_500s(cli, scripted_server):
     server = scripted_server({"default": [{"status": 500, "times": 3, "then": think()}]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    main, child = pty.openpty()
-    os.set_blocking(main, False)
-    process = subprocess.Popen(cli.command(*cli.args(server, max_retries=10)), cwd=cli.cwd,
-                               env={**cli.env, "COLUMNS": "100"}, stdin=child, stdout=child, stderr=child,
-                               start_new_session=True)
-    os.close(child)
-    output, deadline = b"", time.monotonic() + 120
-    try:
-        while process.poll() is None and time.monotonic() < deadline:
-            select.select([main], [], [], 0.2)
-            output += _drain(main)
-        assert process.poll() == 0, output.decode(errors="replace")[-2000:]
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
-    output += _drain(main)
-    os.close(main)
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace"))
+    code, text = in_terminal(cli.command(*cli.args(server, max_retries=10)), cli.cwd, {**cli.env, "COLUMNS": "100"})
+    assert code == 0, text[-2000:]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
     seen = re.findall(r"1 retrying: HTTP 500, attempt (\d+)/10, next in (\d+) s; 1 in flight", text)
     assert {attempt for attempt, _ in seen} >= {"1", "2", "3"}, text[-2000:]
 

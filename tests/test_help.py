@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import os
-import pty
 import re
-import select
-import subprocess
-import time
+import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, in_terminal
 from trajgen import options, tool_check, usage
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
 from trajgen.options import RunOptions
@@ -83,35 +80,7 @@ def test_help_in_a_terminal_prints_at_once_with_no_pager_and_no_banner(tmp_path)
     """Under a pseudo-terminal Fire's help opened `less`, which waits for a key: here nothing may wait."""
     env = {k: v for k, v in os.environ.items() if k not in ("PAGER", "COLUMNS")}
     env.update(PYTHONPATH=str(ROOT), PAGER="less", HOME=str(tmp_path))
-    main, child = pty.openpty()
-    os.set_blocking(main, False)
-    process = subprocess.Popen([os.sys.executable, str(ROOT / "batch_runner.py"), "--help"], cwd=tmp_path, env=env,
-                               stdin=child, stdout=child, stderr=child, start_new_session=True)
-    os.close(child)
-    output, deadline = b"", time.monotonic() + 60
-    try:
-        while process.poll() is None and time.monotonic() < deadline:
-            select.select([main], [], [], 0.2)
-            output += _drain(main)
-        assert process.poll() == 0, f"--help still running after 60 s (waiting for input?): {output[-300:]!r}"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
-            process.wait()
-    output += _drain(main)
-    os.close(main)
-    text = output.decode().replace("\r\n", "\n")
+    code, text = in_terminal([sys.executable, str(ROOT / "batch_runner.py"), "--help"], tmp_path, env, deadline=60)
+    assert code == 0, f"--help still running after 60 s (waiting for input?): {text[-300:]!r}"
     assert "INFO:" not in text and "Showing help" not in text
     assert sorted(ENTRY.findall(text)) == sorted(f.name for f in options.FIELDS)
-
-
-def _drain(fd: int) -> bytes:
-    data = b""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except (BlockingIOError, OSError):  # nothing now, or the child side closed (EIO)
-            return data
-        if not chunk:
-            return data
-        data += chunk
