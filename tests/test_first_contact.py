@@ -20,8 +20,11 @@ def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server)
     url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
     try:  # ten retries would take more than 100 s: the deadline is what says "at once"
         stopped = cli.run(*cli.args(_Url(url), max_retries=10), timeout=90)
+        checked = cli.run(*cli.args(_Url(url)), "--dry_run")
     finally:
         closed.close()
+    assert checked.returncode == 1
+    assert "error: the endpoint does not answer (cannot be reached: connection refused)" in checked.stderr
     assert stopped.returncode == 1
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --base_url={url} cannot be reached: connection refused; nothing was sent or recorded. "
