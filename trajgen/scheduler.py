@@ -237,7 +237,7 @@ class Scheduler:
                     for event in self.pool.cancel():  # what was already on its way: outcomes, and replies paid for
                         if isinstance(event, (Finished, Replied)):
                             self.handle(event)
-                if self.end.fatal and not self.end.unreachable:  # the prompts cut short are failed, so the statistics show them
+                if self.end.fatal and not self.end.unreachable:  # the prompts cut short fail: the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
         finally:
