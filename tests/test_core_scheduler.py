@@ -120,6 +120,19 @@ def test_an_endpoint_out_of_reach_stops_the_run_with_nothing_recorded_failed(tmp
     assert not (tmp_path / store.FAILURES).read_text() and store.scan(tmp_path).done == set()
 
 
+def test_an_endpoint_out_of_reach_after_answering_another_worker_is_an_ordinary_fatal_stop(tmp_path):
+    def answer(t: Task) -> list[Event]:
+        if t.prompt_index == 0:
+            return [Finished(decide(t, row=row(t)))]
+        refused = decide(t, error=EndpointUnreachable("connection refused"))
+        return [Fatal(refused.message, unreachable=True), Finished(refused)]
+
+    end = run(tmp_path, 4, AnsweringExecutor(answer), concurrency=1)
+    assert (end.fatal, end.unreachable, end.failed, end.not_run) == ("connection refused", False, 1, 2)
+    failures = [json.loads(line) for line in (tmp_path / store.FAILURES).read_text().splitlines()]
+    assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "EndpointUnreachable")]
+
+
 def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_path):
     executor = AnsweringExecutor(lambda t: [], hold=lambda t: True)
     sched = scheduler.Scheduler(Plan(remaining=3), executor, scheduler.Limits("run", 2, 3), tmp_path, {}, 0.0, 0.0)

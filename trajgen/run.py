@@ -182,7 +182,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
 def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, started: float) -> int:
     """Merge, write statistics.json, show the summary; the exit status says how the run ended."""
     opts, check = prepared.opts, prepared.check
-    if outcome.unreachable and prepared.fresh:
+    if outcome.unreachable and prepared.fresh and not outcome.failed:
         return _unreachable(prepared, outcome.fatal)
     stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
@@ -195,8 +195,7 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     console.summary(stats)
     failures = console.failures_line(stats, prepared.run_dir)
     if outcome.fatal:
-        what = f"--base_url={opts.base_url} cannot be reached: {outcome.fatal}" if outcome.unreachable else outcome.fatal
-        console.stopped(f"the run was stopped: {what}. Fix it, then resume with:", failures=failures)
+        console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:", failures=failures)
         return 1
     if outcome.interrupted:
         console.stopped("interrupted; resume with:", error=False, failures=failures)
@@ -211,13 +210,13 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     return 0
 
 
-def _unreachable(prepared: Prepared, cause: str | None) -> int:
+def _unreachable(prepared: Prepared, reason: str | None) -> int:
     """A new run whose endpoint never answered leaves nothing behind (only the lock, as a usage error
     does): the same command, with --base_url fixed, starts it afresh."""
     for child in store.entries(prepared.run_dir):
         shutil.rmtree(child) if child.is_dir() else child.unlink()
-    console.error(f"--base_url={prepared.opts.base_url} cannot be reached: {cause}; nothing was sent or recorded. "
-                  "Fix --base_url (--dry_run checks it) and run the same command again")
+    console.error(f"{reason}; nothing was sent or recorded. Fix --base_url (--dry_run checks it) and run the same "
+                  "command again")
     return 1
 
 

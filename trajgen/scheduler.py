@@ -58,7 +58,7 @@ class RunEnd:
     not_run: int = 0
     interrupted: bool = False
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
-    unreachable: bool = False  # the fatal error is an endpoint that never answered: nothing was recorded failed
+    unreachable: bool = False  # the fatal error is an endpoint that never answered this run: nothing was recorded failed
     budget: str | None = None  # which spend limit stopped the run
 
 
@@ -132,6 +132,7 @@ class Scheduler:
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
         self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
+        self.answered = False  # the endpoint has answered some worker in this run
 
     def checkpoint(self) -> dict:
         return {
@@ -184,22 +185,25 @@ class Scheduler:
 
     def handle(self, event: Event) -> None:
         match event:
-            case Finished(outcome) if outcome.reason == EndpointUnreachable.__name__:
+            case Finished(outcome) if outcome.reason == EndpointUnreachable.__name__ and not self.answered:
                 self.retrying.pop(outcome.key, None)  # not a failure of the prompt: it is still to run
             case Finished(outcome):
                 self.retrying.pop(outcome.key, None)
+                self.answered = self.answered or outcome.row is not None
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
             case Replied():
                 self.retrying.pop(event.key, None)
+                self.answered = True
                 self.writer.journal(journal.entry(event))
             case Retrying(key):
                 self.retrying[key] = (event, time.monotonic())
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
                 self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
-            case Fatal(reason, unreachable):
-                self.end.unreachable = self.end.unreachable or (self.end.fatal is None and unreachable)
+            case Fatal(reason, unreachable):  # out of reach after answering another worker: an ordinary fatal stop
+                self.end.unreachable = self.end.unreachable or (self.end.fatal is None and unreachable
+                                                                and not self.answered)
                 self.end.fatal = self.end.fatal or reason
             case Log(text):
                 console.err.print(text)

@@ -92,8 +92,10 @@ class _Worker:
         finally:
             await prompt.close()
             self.running.pop(task.key, None)
-        if outcome.reason in (FatalAPIError.__name__, EndpointUnreachable.__name__):
-            self.send(Fatal(outcome.message, unreachable=outcome.reason == EndpointUnreachable.__name__))
+        if outcome.reason == FatalAPIError.__name__:
+            self.send(Fatal(outcome.message))
+        elif outcome.reason == EndpointUnreachable.__name__:
+            self.send(Fatal(f"--base_url={self.config.model.base_url} cannot be reached: {outcome.message}", True))
         elif outcome.traceback and self.config.verbose:
             self.send(Log(f"{task.key}: {outcome.traceback}"))
         self.send(Finished(outcome))
