@@ -9,6 +9,7 @@ of the run directory -> merge -> statistics. The flags are the fields of `trajge
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from trajgen import options
@@ -36,31 +37,32 @@ def main(**flag_values) -> None:
         console.stopped(f"{e}. Every row already written is kept; free some space, then resume with:")
         sys.exit(1)
     except BackendUnreachable as e:  # found when the images were checked, before any prompt was sent
-        console.error(f"{e}; nothing was sent")
+        console.error(f"{e}; nothing was sent. Fix it, then run the same command again")
         sys.exit(1)
     except KeyboardInterrupt:  # before the scheduler took over Ctrl-C: nothing was started
-        console.error("interrupted")
+        console.error("interrupted before any prompt was sent; run the same command again to start")
         sys.exit(130)
     except Exception as e:  # one line for the user; TRAJGEN_DEBUG=1 shows the traceback
         if os.environ.get("TRAJGEN_DEBUG"):
             raise
-        console.error(f"{type(e).__name__}: {e}")
+        console.error(f"{type(e).__name__}: {e} (a bug: TRAJGEN_DEBUG=1 shows where; every row already written is kept)")
         sys.exit(1)
     sys.exit(code)
 
 
+SUMMARY = "Run a tool-using agent over every prompt of a JSONL dataset and write trajectories."
 main.__signature__ = options.signature()
-main.__doc__ = options.docstring("Run a tool-using agent over every prompt of a JSONL dataset and write trajectories.")
+main.__doc__ = options.docstring(SUMMARY)
 
 
 def cli(argv: list[str]) -> None:
-    """Every argument is checked before anything starts; Fire renders --help."""
+    """Every argument is checked before anything starts; --help is printed from RunOptions, with no pager."""
     from trajgen import console, flags
 
     if flags.wants_help(argv):
-        import fire
+        from trajgen import usage
 
-        fire.Fire(main, command=["--help"], name="batch_runner.py")
+        print(usage.help_text(shlex.join(console.invocation()), SUMMARY))
         return
     try:
         parsed = flags.parse(argv)

@@ -9,9 +9,12 @@ import asyncio
 import gc
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,37 @@ def cli(tmp_path) -> CLI:
 def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     os.killpg(process.pid, sig)
     process.wait(timeout=60)
+
+
+def in_terminal(argv: list[str], cwd: Path, env: dict, deadline: float = 120) -> tuple[int | None, str]:
+    """Run `argv` on a pseudo-terminal, as a user at a terminal would (a pager, a live progress bar);
+    (its exit status, None if still running after `deadline` seconds, and everything it printed)."""
+    main, child = pty.openpty()
+    os.set_blocking(main, False)
+    process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=child, stdout=child, stderr=child, start_new_session=True)
+    os.close(child)
+    output, until = b"", time.monotonic() + deadline
+    try:
+        while process.poll() is None and time.monotonic() < until:
+            select.select([main], [], [], 0.2)
+            output += _drain(main)
+        code = process.poll()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        output += _drain(main)
+        os.close(main)
+    return code, output.decode(errors="replace").replace("\r\n", "\n")
+
+
+def _drain(fd: int) -> bytes:
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # nothing now (EAGAIN), or the child side is closed (EIO)
+            return data
+        if not chunk:
+            return data
+        data += chunk

@@ -5,8 +5,9 @@ import json
 from typing import Callable
 
 from trajgen import merge, scheduler, store
-from trajgen.errors import FatalAPIError
-from trajgen.messages import Event, Fatal, Finished
+from trajgen.errors import EndpointUnreachable, FatalAPIError
+from trajgen.messages import Event, Fatal, Finished, Replied, Retrying
+from trajgen.model import Reply
 from trajgen.outcome import decide
 from trajgen.plan import Plan
 from trajgen.work import Task
@@ -105,6 +106,48 @@ def test_a_fatal_endpoint_error_stops_the_run(tmp_path):
 
     end = run(tmp_path, 6, AnsweringExecutor(answer), concurrency=1)
     assert end.fatal == "authentication failed (HTTP 401)" and end.failed == 1 and end.not_run == 5
+
+
+def test_an_endpoint_out_of_reach_stops_the_run_with_nothing_recorded_failed(tmp_path):
+    def answer(t: Task) -> list[Event]:
+        refused = decide(t, error=EndpointUnreachable("connection refused"))
+        return [Fatal(refused.message, unreachable=True), Finished(refused)]
+
+    executor = AnsweringExecutor(answer, hold=lambda t: t.prompt_index > 0)
+    end = run(tmp_path, 6, executor, concurrency=3)
+    assert (end.fatal, end.unreachable, end.failed, end.not_run) == ("connection refused", True, 0, 6)
+    assert executor.cancelled == ["k1", "k2"]  # cut short, and not recorded failed either
+    assert not (tmp_path / store.FAILURES).read_text() and store.scan(tmp_path).done == set()
+
+
+def test_an_endpoint_out_of_reach_after_answering_another_worker_is_an_ordinary_fatal_stop(tmp_path):
+    def answer(t: Task) -> list[Event]:
+        if t.prompt_index == 0:
+            return [Finished(decide(t, row=row(t)))]
+        refused = decide(t, error=EndpointUnreachable("connection refused"))
+        return [Fatal(refused.message, unreachable=True), Finished(refused)]
+
+    end = run(tmp_path, 4, AnsweringExecutor(answer), concurrency=1)
+    assert (end.fatal, end.unreachable, end.failed, end.not_run) == ("connection refused", False, 1, 2)
+    failures = [json.loads(line) for line in (tmp_path / store.FAILURES).read_text().splitlines()]
+    assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "EndpointUnreachable")]
+
+
+def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_path):
+    executor = AnsweringExecutor(lambda t: [], hold=lambda t: True)
+    sched = scheduler.Scheduler(Plan(remaining=3), executor, scheduler.Limits("run", 2, 3), tmp_path, {}, 0.0, 0.0)
+    sched.admit(iter([task(i) for i in range(3)]))
+    assert sched.status() == "3 in flight"
+    sched.handle(Retrying("k0", "HTTP 500", 1, 10, 2.0))
+    sched.handle(Retrying("k1", "HTTP 503", 4, 10, 6.4))
+    line = sched.status()
+    assert line.startswith("2 retrying: HTTP 503, attempt 4/10, next in ") and line.endswith(" s; 3 in flight")
+    assert 0 <= int(line.split("next in ")[1].split(" s")[0]) <= 6
+    sched.handle(Replied("k1", 0, "h", Reply({"content": "ok"})))
+    assert sched.status().startswith("1 retrying: HTTP 500, attempt 1/10")
+    sched.handle(Finished(decide(task(0), row=row(task(0)))))
+    assert sched.status() == "3 in flight"
+    sched.writer.close(sched.checkpoint())
 
 
 def test_the_spend_limit_stops_admitting_but_lets_prompts_in_flight_finish(tmp_path):

@@ -4,8 +4,12 @@ loopback scripted server; the full disk is a real tmpfs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
+import socket
+import ssl
 import subprocess
 import time
 from collections import Counter
@@ -260,8 +264,9 @@ def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
     stopped = cli.run(*cli.args(server, dataset_file="my prompts.jsonl", api_key="sk-secret-123"))
     assert stopped.returncode == 1
     assert "sk-secret-123" not in stopped.stderr + stopped.stdout
-    hint = next(line.strip() for line in stopped.stderr.splitlines() if line.strip().startswith("python batch_runner.py"))
-    assert "'--dataset_file=my prompts.jsonl'" in hint and "--resume  # give --api_key again" in hint
+    hint = next(line.strip() for line in stopped.stderr.splitlines() if "batch_runner.py" in line)
+    assert "'--dataset_file=my prompts.jsonl'" in hint
+    assert hint.endswith("--resume  # without the key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or give --api_key again")
 
 
 # ---------------------------------------------------------------- the retry policy, in process
@@ -318,3 +323,79 @@ def test_resume_removes_the_cgroups_a_killed_runner_left(cli, scripted_server):
     assert done.returncode == 0, done.stderr
     assert not any(d.exists() for d in left)
     assert ours() == set()
+
+
+def _call(settings: ModelSettings, endpoint: llm.Endpoint | None = None, on_retry=None):
+    async def one_call():
+        used = endpoint or llm.Endpoint(settings, 1)
+        try:
+            return await llm.complete(used, settings, [{"role": "user", "content": "hi"}], None, lambda: None,
+                                      on_retry=on_retry)
+        finally:
+            await used.close()
+
+    return asyncio.run(one_call())
+
+
+def test_an_endpoint_out_of_reach_that_never_answered_stops_at_once():
+    closed = socket.socket()  # bound and not listening: every connection is refused, and no one else gets the port
+    closed.bind(("127.0.0.1", 0))
+    try:
+        refused = ModelSettings(model="m", base_url=f"http://127.0.0.1:{closed.getsockname()[1]}/v1", api_key="k")
+        with pytest.raises(errors.EndpointUnreachable, match="^connection refused$"):
+            _call(refused)
+        endpoint = llm.Endpoint(refused, 1)
+        endpoint.answered = True  # it answered before: a refusal now is an outage, retried
+        with pytest.raises(errors.APIConnectionError):
+            _call(dataclasses.replace(refused, max_retries=1), endpoint)
+    finally:
+        closed.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for a self-signed certificate")
+def test_a_certificate_the_system_does_not_trust_is_out_of_reach(tmp_path):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    requests = []
+
+    async def serve_and_call():
+        server = await asyncio.start_server(lambda r, w: requests.append(w.close()), "127.0.0.1", 0, ssl=context)
+        settings = ModelSettings(model="m", base_url=f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
+                                 api_key="k")
+        endpoint = llm.Endpoint(settings, 1)
+        try:
+            await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None)
+        finally:
+            await endpoint.close()
+            server.close()
+
+    with pytest.raises(errors.EndpointUnreachable, match="^TLS failure: the certificate is not accepted"):
+        asyncio.run(serve_and_call())
+    assert requests == []  # the handshake failed: no request was read
+
+
+def test_a_name_that_does_not_resolve_is_out_of_reach_and_a_timeout_is_not():
+    for cause, expected in [(socket.gaierror(-2, "Name or service not known"), "the host name does not resolve"),
+                            (ConnectionRefusedError(111, "Connection refused"), "connection refused"),
+                            (TimeoutError(), None), (ConnectionResetError(104, "reset"), None)]:
+        try:
+            try:
+                raise cause
+            except OSError as e:
+                raise errors.APIConnectionError() from e
+        except errors.APIConnectionError as error:
+            assert (errors.unreachable_cause(error) or "").startswith(expected or "") and (
+                (errors.unreachable_cause(error) is None) == (expected is None)), cause
+
+
+def test_each_retry_is_heard_with_its_cause_attempt_and_wait(scripted_server):
+    server = scripted_server({"default": [{"status": 500, "times": 2, "then": think()}]})
+    heard = []
+    settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=5)
+    _call(settings, on_retry=lambda error, attempt, retries, wait: heard.append((type(error), attempt, retries, wait)))
+    assert [(kind, attempt, retries) for kind, attempt, retries, _ in heard] == [
+        (errors.InternalServerError, 1, 5), (errors.InternalServerError, 2, 5)]
+    assert all(wait >= llm.BACKOFF_BASE for *_, wait in heard)

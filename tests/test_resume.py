@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
@@ -114,20 +113,29 @@ def test_429_with_retry_after_and_500s_are_retried(cli, scripted_server):
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
 
 
-def test_dead_endpoint_fails_within_the_retry_budget(cli, scripted_server):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    server = scripted_server({})
-    server.url = f"http://127.0.0.1:{port}/v1"
+def test_an_endpoint_that_dies_after_answering_fails_its_prompts_within_the_retry_budget(cli, scripted_server):
+    """Once the endpoint has answered, a refused connection is an outage: retried, then the prompt fails
+    (one that never answered stops the run at once: tests/test_first_contact.py)."""
+    server = scripted_server({"prompts": {"b": [{**think(), "gate": "never"}]}, "default": [think()]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
-    done = cli.run(*cli.args(server, max_retries=2))
-    assert done.returncode == 1
-    assert "APIConnectionError" in done.stdout + done.stderr
-    assert read_jsonl(cli.run_dir() / "trajectories.jsonl") == []
+    process = cli.start(*cli.args(server, max_retries=2, num_workers=1))
+    try:
+        _wait_for_rows(cli.run_dir(), 1)
+        deadline = time.monotonic() + 60
+        while not any(r["prompt"] == "b" for r in server.requests()):
+            assert time.monotonic() < deadline, "prompt b never reached the server"
+            time.sleep(0.05)
+        server.stop()  # with b's request held: its connection breaks, and nothing listens any more
+        assert process.wait(timeout=120) == 1, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    stderr = process.stderr.read()
+    assert "APIConnectionError 1" in stderr and "cannot be reached" not in stderr
+    assert _landed_prompts(cli.run_dir()) == {"a"}
     failures = read_jsonl(cli.run_dir() / "failures.jsonl")
-    assert {f["error_class"] for f in failures} == {"APIConnectionError"}
-    assert all(f["message"].startswith("cannot connect") for f in failures)
+    assert [(f["prompt"], f["error_class"]) for f in failures] == [("b", "APIConnectionError")]
+    assert failures[0]["message"].startswith("cannot connect")
 
 
 def test_401_stops_the_whole_run(cli, scripted_server):

@@ -229,6 +229,11 @@ def test_the_report_opens_without_any_request_but_its_own_file(made, browser):
     assert requests == [report.as_uri()]
     assert f"ok (rows written)\t{stats['ok']}" in opened.inner_text("table.overview")
     assert opened.locator("svg.chart").count() >= 5
+    not_kept = [line.split("\t") for line in opened.inner_text("table.not-kept tbody").splitlines()]
+    assert [row[1:4] for row in not_kept] == [["", "failed", "BadRequestError"], ["", "discarded", "no_reasoning"],
+                                              ["", "filtered", "called a tool that was not offered"]], not_kept
+    assert [row[4] for row in not_kept] == ["refused", "no reasoning", "invent a tool"]
+    assert "indexed" not in done.stderr and "note:" not in done.stderr
     context.close()
 
 

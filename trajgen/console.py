@@ -1,21 +1,34 @@
 """Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
+from rich.text import Text
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
 SECRET_FLAGS = ("--api_key", "--vision_api_key")
+KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
+
+
+def invocation() -> list[str]:
+    """The interpreter and the script as the user ran them, so that a printed command works pasted
+    in the directory they ran it from: `python` when that is this interpreter on PATH."""
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+            return [name, sys.argv[0]]
+    return [sys.executable, sys.argv[0]]
 
 
 def resume_command() -> str:
@@ -31,37 +44,62 @@ def resume_command() -> str:
             drop_next = "=" not in arg  # `--api_key KEY`: the key is the next word
         elif name not in ("--resume", "--overwrite"):
             args.append(arg)
-    command = shlex.join(["python", "batch_runner.py", *args, "--resume"])
-    return command + (f"  # give {' and '.join(dropped)} again, or set the key's environment variable" if dropped else "")
+    command = shlex.join([*invocation(), *args, "--resume"])
+    if not dropped:
+        return command
+    ways = [f"set {KEY_VARIABLES} or give --api_key again"] if "--api_key" in dropped else []
+    ways += ["give --vision_api_key again"] if "--vision_api_key" in dropped else []
+    return f"{command}  # without the key: {'; '.join(ways)}"
 
 
 def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
 
 
-def stopped(message: str, error: bool = True) -> None:
-    """Why the run stopped, then the command that resumes it on a line of its own, ready to paste."""
+def stopped(message: str, error: bool = True, failures: str = "") -> None:
+    """Why the run stopped, what failed (`failures_line`), then the command that resumes it on a line
+    of its own, ready to paste."""
     prefix = "[bold red]error:[/] " if error else ""
-    err.print(f"{prefix}{escape(message)}\n  {escape(resume_command())}", soft_wrap=True)
+    said = f"{escape(failures)}\n" if failures else ""
+    err.print(f"{said}{prefix}{escape(message)}\n  {escape(resume_command())}", soft_wrap=True)
+
+
+def failures_line(stats: dict, run_dir: Path) -> str:
+    """How many prompts failed, why, and where they are listed; empty when none failed."""
+    failed = stats["failed"]
+    if not failed["total"]:
+        return ""
+    why = ", ".join(f"{name} {count}" for name, count in failed["by_class"].items())
+    return f"{failed['total']} prompt(s) failed ({why}); each is listed with its error in {run_dir / 'failures.jsonl'}"
+
+
+def eta(left: int, done: int, seconds: float) -> str:
+    """Time to finish at the average pace so far: it grows while nothing comes back."""
+    if not left:
+        return "0:00:00"
+    if not done:
+        return "?"
+    total = int(left * seconds / done)
+    return f"{total // 3600}:{total // 60 % 60:02d}:{total % 60:02d}"
 
 
 def notice(message: str) -> None:
     err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
 
 
-def distributions_table() -> Table:
-    table = Table(title="Toolset distributions (percent chance per toolset)")
-    table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("description")
-    for toolset in TOOLSETS:
-        table.add_column(toolset, justify="right")
-    for d in DISTRIBUTIONS.values():
-        table.add_row(d.name, d.description, *(str(d.chances.get(t, "")) for t in TOOLSETS))
-    return table
+class RunProgress(Progress):
+    """The progress bar, with a status line under it (the prompts retrying, and in flight)."""
+
+    status = ""
+
+    def get_renderables(self):
+        yield from super().get_renderables()
+        if self.status:
+            yield Text(self.status, overflow="ellipsis", no_wrap=True)
 
 
-def progress_bar() -> Progress:
-    return Progress(
+def progress_bar() -> RunProgress:
+    return RunProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -69,8 +107,7 @@ def progress_bar() -> Progress:
         TextColumn("[green]ok {task.fields[ok]}[/] [yellow]discarded {task.fields[discarded]}[/] "
                    "[red]failed {task.fields[failed]}[/]"),
         TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
+        TextColumn("eta {task.fields[eta]}"),
         console=err,
         refresh_per_second=4,  # a person reads it; every redraw is CPU of the single writer
     )

@@ -7,6 +7,7 @@ not on its own, and resume survives inserted, deleted and reordered lines.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 from array import array
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ def parse_line(raw: bytes, index: int, path: str) -> Entry | str:
         return f"{where}: not a JSON object"
     prompt = obj.get("prompt")
     if "prompt" not in obj:
-        return f"{where}: no 'prompt' field"
+        near = difflib.get_close_matches("prompt", [k for k in obj if isinstance(k, str)], n=1, cutoff=0.6)
+        return f"{where}: no 'prompt' field" + (f" (is {near[0]!r} meant to be 'prompt'?)" if near else "")
     if not isinstance(prompt, str) or not prompt.strip():
         return f"{where}: field 'prompt' must be a non-empty string"
     image = obj.get("image", obj.get("docker_image"))

@@ -25,7 +25,8 @@ async def _probe(settings: ModelSettings) -> str | None:
     try:
         await endpoint.post(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
     except (errors.APIStatusError, errors.APIConnectionError) as e:
-        return f"{type(e).__name__}: {getattr(e, 'message', e)}"
+        cause = errors.unreachable_cause(e)
+        return f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}"
     finally:
         await endpoint.close()
     return None
@@ -72,4 +73,8 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
     for name, value in rows:
         table.add_row(name, value)
     console.out.print(table)
-    return 1 if problem else 0
+    if problem:
+        console.error(f"the endpoint does not answer ({problem}): check --base_url, --model and the key, "
+                      "then run --dry_run again")
+        return 1
+    return 0

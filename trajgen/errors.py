@@ -5,7 +5,10 @@ here that escapes a conversation fails the prompt as InternalError, with its tra
 """
 from __future__ import annotations
 
+import errno
 import json
+import socket
+import ssl
 from collections.abc import Mapping
 
 
@@ -15,6 +18,11 @@ class UsageError(Exception):
 
 class FatalAPIError(Exception):
     """The endpoint refuses us for every prompt (401, 402, 403): stop the run instead of burning the dataset."""
+
+
+class EndpointUnreachable(FatalAPIError):
+    """The endpoint cannot be reached at all (refused, a name that does not resolve, a TLS failure)
+    and has never answered: the run stops at once and nothing is recorded as failed."""
 
 
 class RunStopped(Exception):
@@ -131,3 +139,22 @@ def status_error(status: int, headers: Mapping[str, str], body: bytes) -> APISta
         message = text or f"Error code: {status}"
     kind = STATUS_ERRORS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
     return kind(message, status, headers)
+
+
+def unreachable_cause(error: BaseException) -> str | None:
+    """Why no connection to the endpoint could be made, when a cause in `error`'s chain says so
+    (refused, a name that does not resolve, a TLS failure); None for anything a retry may cure."""
+    cause = error.__cause__ or error.__context__
+    for _ in range(10):
+        if cause is None:
+            return None
+        if isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED:
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return f"the host name does not resolve ({cause.strerror or cause})"
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS failure: the certificate is not accepted ({cause.verify_message or cause})"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS failure ({cause.reason or cause})"
+        cause = cause.__cause__ or cause.__context__
+    return None

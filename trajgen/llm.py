@@ -3,8 +3,9 @@
 Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
-never less than a Retry-After. 401/402/403 stop the run, and so does a 404 before the endpoint has
-ever answered (the model does not exist); other 4xx fail the prompt at once. A 200 whose body is
+never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop the run, and so do a
+404 and an endpoint out of reach (refused, unresolvable, TLS) before it has ever answered (the
+model or the endpoint does not exist); other 4xx fail the prompt at once. A 200 whose body is
 an error object is treated like the status it names; one that is not a completion is
 MalformedResponse.
 """
@@ -22,8 +23,8 @@ from typing import Callable
 import orjson
 
 from trajgen import transport
-from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, FatalAPIError, MalformedResponse,
-                            ProviderError, status_error)
+from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
+                            MalformedResponse, ProviderError, status_error, unreachable_cause)
 from trajgen.work import ModelSettings
 
 BACKOFF_BASE = 1.0
@@ -201,6 +202,8 @@ def retry_wait(error: Exception, previous: float, answered: bool) -> float | Non
         hinted = _retry_after(error.headers) if status in OVERLOADED and isinstance(error, APIStatusError) else None
         return max(min(hinted or 0.0, RETRY_AFTER_CAP), backoff(previous))
     if isinstance(error, APIConnectionError):
+        if not answered and (cause := unreachable_cause(error)):
+            raise EndpointUnreachable(cause) from error
         return backoff(previous)
     return None
 
@@ -212,8 +215,10 @@ async def complete(
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
+    on_retry: Callable[[Exception, int, int, float], None] | None = None,
 ) -> Completion:
-    """One chat completion, retried per the policy above."""
+    """One chat completion, retried per the policy above; `on_retry(error, attempt, max_retries, wait)`
+    before each wait."""
     body = request_body(settings, messages, tools, forbid_tools)
     started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
@@ -227,5 +232,7 @@ async def complete(
             wait = retry_wait(error, wait, endpoint.answered)
             if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
                 raise
+            if on_retry is not None:
+                on_retry(error, attempt + 1, settings.max_retries, wait)
             await asyncio.sleep(wait)
     raise AssertionError("unreachable")

@@ -75,7 +75,7 @@ class Tally:
     def tool_statistics(self) -> dict:
         out = {}
         for name, s in self.tools.items():
-            rate = (lambda n: round(n / s["count"], 4) if s["count"] else 0.0)
+            rate = (lambda n: round(n / s["count"], 4) if s["count"] else None)  # never called: no rate
             out[name] = {**s, "success_rate": rate(s["success"]), "failure_rate": rate(s["failure"])}
         return out
 
@@ -274,7 +274,7 @@ def statistics(merged: Merged, header: dict) -> dict:
         "discarded": {"total": merged.discarded.rows, "by_reason": dict(merged.discarded_by_reason)},
         "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class),
                    "attempts": merged.failed_attempts.rows, "tokens": _tokens(merged.failed_attempts),
-                   "cost": merged.failed_attempts.cost},
+                   "cost": dollars(merged.failed_attempts.cost)},
         "filtered_hallucinated": merged.hallucinated.rows,
         "filtered_not_passed": merged.not_passed.rows,
         "verification": merged.verification.statistics(),
@@ -293,10 +293,15 @@ def statistics(merged: Merged, header: dict) -> dict:
         },
         "api_calls": everything.api_calls,
         "tokens": _tokens(paid),
-        "cost": paid.cost,
+        "cost": dollars(paid.cost),
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
     }
+
+
+def dollars(cost: float | None) -> float | None:
+    """A sum of costs to the millionth of a dollar: floating-point sums read 0.03800000000000001."""
+    return None if cost is None else round(cost, 6)
 
 
 def _tokens(tally: Tally) -> dict:

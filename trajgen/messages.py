@@ -47,8 +47,21 @@ class Throttled:
 
 
 @dataclass(frozen=True)
+class Retrying:
+    """A prompt's model call failed and is retried after `wait` seconds (retry `attempt` of `retries`):
+    the parent shows it under the progress bar until the prompt is answered or ends."""
+
+    key: str
+    cause: str  # "HTTP 500", "timeout", "connection error"
+    attempt: int
+    retries: int
+    wait: float
+
+
+@dataclass(frozen=True)
 class Fatal:
     reason: str  # the endpoint refuses every prompt (401, 402, 403): the run stops
+    unreachable: bool = False  # the endpoint never answered and cannot be reached: nothing is recorded as failed
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,7 @@ class Cancelled:
     pass
 
 
-Event = Finished | Replied | Throttled | Fatal | Log | Cancelled
+Event = Finished | Replied | Throttled | Retrying | Fatal | Log | Cancelled
 
 
 def without_landed_replies(events: list[Event]) -> list[Event]:

@@ -36,11 +36,13 @@ class ModelClient(Protocol):
 class OpenAIModel:
     """An OpenAI-compatible endpoint through one shared connection."""
 
-    def __init__(self, endpoint: llm.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None]):
-        self.endpoint, self.settings, self.on_throttle = endpoint, settings, on_throttle
+    def __init__(self, endpoint: llm.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None],
+                 on_retry: Callable[[Exception, int, int, float], None] | None = None):
+        self.endpoint, self.settings, self.on_throttle, self.on_retry = endpoint, settings, on_throttle, on_retry
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
-        response = await llm.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools)
+        response = await llm.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools,
+                                      self.on_retry)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, _usage(response.usage))

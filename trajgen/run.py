@@ -13,7 +13,8 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler, store
+from trajgen import (console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler,
+                     store, usage)
 from trajgen import plan as plan_module
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
@@ -40,6 +41,7 @@ class Prepared:
     unavailable_tools: dict[str, str]
     unavailable_sets: dict[str, str]
     plan: Plan
+    fresh: bool = True  # this invocation starts the run directory (it was empty, or --overwrite)
 
     def tasks(self) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset (once to count, once to run)."""
@@ -53,7 +55,11 @@ class Prepared:
 def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
-        console.out.print(console.distributions_table())
+        print(usage.distributions_text())
+        return 0
+    if opts.list_tools:
+        from trajgen import tool_check
+        print(tool_check.listing(opts))
         return 0
     if opts.export:
         return run_export(opts)
@@ -127,6 +133,7 @@ def prepare(opts: RunOptions) -> Prepared:
                               "invalid_lines_skipped": check.error_count})
     if not opts.dry_run:
         store.lock_run_dir(run_dir)
+    fresh = opts.overwrite or not store.entries(run_dir)
     scan = _prepare_run_dir(run_dir, opts)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
@@ -136,7 +143,7 @@ def prepare(opts: RunOptions) -> Prepared:
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan())
+                        unavailable_tools, unavailable_sets, Plan(), fresh)
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
                                                         opts.docker_image if runs_images(opts.backend) else None))
     _say_what_is_missing(prepared)
@@ -181,6 +188,8 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
 def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, started: float) -> int:
     """Merge, write statistics.json, show the summary; the exit status says how the run ended."""
     opts, check = prepared.opts, prepared.check
+    if outcome.unreachable and prepared.fresh and not outcome.failed:
+        return _unreachable(prepared, outcome.fatal)
     stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
@@ -190,16 +199,31 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     })
     store.write_json(prepared.run_dir / merge.STATISTICS, stats)
     console.summary(stats)
+    failures = console.failures_line(stats, prepared.run_dir)
     if outcome.fatal:
-        console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:")
+        console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:", failures=failures)
         return 1
     if outcome.interrupted:
-        console.stopped("interrupted; resume with:", error=False)
+        console.stopped("interrupted; resume with:", error=False, failures=failures)
         return 130
     if outcome.budget:
-        console.stopped(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:", error=False)
+        console.stopped(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:", error=False,
+                        failures=failures)
         return 3
-    return 1 if outcome.failed else 0
+    if outcome.failed:
+        console.stopped(f"{failures}; --resume runs them again:", error=False)
+        return 1
+    return 0
+
+
+def _unreachable(prepared: Prepared, reason: str | None) -> int:
+    """A new run whose endpoint never answered leaves nothing behind (only the lock, as a usage error
+    does): the same command, with --base_url fixed, starts it afresh."""
+    for child in store.entries(prepared.run_dir):
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    console.error(f"{reason}; nothing was sent or recorded. Fix --base_url (--dry_run checks it) and run the same "
+                  "command again")
+    return 1
 
 
 def _api_key(opts: RunOptions) -> str:
@@ -243,6 +267,9 @@ def _check_dataset(opts: RunOptions) -> dataset.DatasetCheck:
 def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
     exists = bool(store.entries(run_dir))
+    if opts.resume and not exists and not opts.overwrite:
+        raise UsageError(f"--resume: there is no run {run_dir} to continue (check --run_name and --output_dir, "
+                         "or leave out --resume to start it)")
     if exists and not opts.resume and not opts.overwrite:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts.overwrite:

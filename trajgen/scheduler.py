@@ -16,13 +16,14 @@ from typing import Callable, Iterator, Protocol
 import orjson
 
 from trajgen import console, journal, store
-from trajgen.errors import ImageUnavailable, RunStopped
-from trajgen.messages import Event, Fatal, Finished, Log, Replied, Throttled
+from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped
+from trajgen.messages import Event, Fatal, Finished, Log, Replied, Retrying, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
 
 POLL_SECONDS = 0.2
+PROMPT_EXCERPT = 200  # characters of a failed prompt's text in failures.jsonl
 
 
 class Executor(Protocol):
@@ -57,7 +58,17 @@ class RunEnd:
     not_run: int = 0
     interrupted: bool = False
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
+    unreachable: bool = False  # the fatal error is an endpoint that never answered this run: nothing was recorded failed
     budget: str | None = None  # which spend limit stopped the run
+
+
+def _which(task: Task | None) -> dict:
+    """Which prompt a failure record is about, for a person reading it: its dataset `id` and the
+    start of its text."""
+    if task is None:
+        return {}
+    excerpt = task.prompt if len(task.prompt) <= PROMPT_EXCERPT else task.prompt[:PROMPT_EXCERPT - 1] + "…"
+    return {"id": task.extra.get("id"), "prompt": excerpt}
 
 
 def now() -> str:
@@ -125,6 +136,8 @@ class Scheduler:
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
+        self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
+        self.answered = False  # the endpoint has answered some worker in this run
 
     def checkpoint(self) -> dict:
         return {
@@ -145,13 +158,15 @@ class Scheduler:
                 offset = (task.batch_num - self.plan.first_batch) * self.limits.batch_size
                 self.left[task.batch_num] = min(self.limits.batch_size, self.plan.remaining - offset)
             if task.image in self.missing_images and needs_sandbox(task):
-                self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")))
+                self.record(decide(task, error=ImageUnavailable(f"image {task.image}: {self.missing_images[task.image]}")),
+                            task)
             else:
                 self.submitted[task.key] = task
                 self.pool.submit(task)
 
-    def record(self, outcome: PromptOutcome) -> None:
-        self.submitted.pop(outcome.key, None)
+    def record(self, outcome: PromptOutcome, task: Task | None = None) -> None:
+        """Write one outcome; `task`, when it was never submitted (the submitted ones are known)."""
+        task = self.submitted.pop(outcome.key, None) or task
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
         self.spend.add(outcome.usage)
         self.writer.user_files(outcome.files)  # before the row that names them
@@ -162,7 +177,7 @@ class Scheduler:
                 self.writer.discarded({**base, "reason": outcome.reason, "row": orjson.Fragment(outcome.row)})
             case Status.FAILED:
                 trace = {"traceback": outcome.traceback} if outcome.traceback else {}
-                self.writer.failed({**base, "error_class": outcome.reason, "message": outcome.message,
+                self.writer.failed({**base, **_which(task), "error_class": outcome.reason, "message": outcome.message,
                                     "usage": outcome.usage, "time": now(), **trace})
                 if self.limits.verbose:
                     console.err.print(f"prompt {outcome.prompt_index} failed: {outcome.reason}: {outcome.message}")
@@ -175,15 +190,25 @@ class Scheduler:
 
     def handle(self, event: Event) -> None:
         match event:
+            case Finished(outcome) if outcome.reason == EndpointUnreachable.__name__ and not self.answered:
+                self.retrying.pop(outcome.key, None)  # not a failure of the prompt: it is still to run
             case Finished(outcome):
+                self.retrying.pop(outcome.key, None)
+                self.answered = self.answered or outcome.row is not None
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
             case Replied():
+                self.retrying.pop(event.key, None)
+                self.answered = True
                 self.writer.journal(journal.entry(event))
+            case Retrying(key):
+                self.retrying[key] = (event, time.monotonic())
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
                 self.window, self.last_throttle = max(1.0, self.window / 2), time.monotonic()
-            case Fatal(reason):
+            case Fatal(reason, unreachable):  # out of reach after answering another worker: an ordinary fatal stop
+                self.end.unreachable = self.end.unreachable or (self.end.fatal is None and unreachable
+                                                                and not self.answered)
                 self.end.fatal = self.end.fatal or reason
             case Log(text):
                 console.err.print(text)
@@ -203,7 +228,8 @@ class Scheduler:
         tasks = islice(tasks, self.plan.remaining)  # the plan as counted: a line added since waits for a resume
         self.pool.start()
         progress = console.progress_bar()
-        bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0)
+        bar = progress.add_task("prompts", total=self.plan.remaining, ok=0, discarded=0, failed=0, rate=0.0, eta="?")
+        began = time.monotonic()
         try:
             with progress:
                 while not self.should_stop(signals):
@@ -213,12 +239,14 @@ class Scheduler:
                         self.handle(event)
                     done = sum(self.counts.values())
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
+                                    eta=console.eta(self.plan.remaining - done, done, time.monotonic() - began),
                                     **self.counts)
+                    progress.status = self.status()
                 if self.pool.inflight:
                     for event in self.pool.cancel():  # what was already on its way: outcomes, and replies paid for
                         if isinstance(event, (Finished, Replied)):
                             self.handle(event)
-                if self.end.fatal:  # the prompts cut short are failed, so the statistics show them
+                if self.end.fatal and not self.end.unreachable:  # the prompts cut short fail: the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
         finally:
@@ -229,6 +257,17 @@ class Scheduler:
         self.end.failed = self.counts["failed"]
         self.end.not_run = self.plan.remaining - sum(self.counts.values())
         return self.end
+
+    def status(self) -> str:
+        """The line under the progress bar: the prompts retrying a call (the latest cause, its retry and
+        wait), and the prompts in flight."""
+        line = f"{self.pool.inflight} in flight"
+        if not self.retrying:
+            return line
+        event, since = max(self.retrying.values(), key=lambda pair: pair[1])
+        left = max(0.0, event.wait - (time.monotonic() - since))
+        return (f"{len(self.retrying)} retrying: {event.cause}, attempt {event.attempt}/{event.retries}, "
+                f"next in {left:.0f} s; {line}")
 
     def leave_now(self, on_exit: Callable[[], None]) -> None:
         self.pool.kill()

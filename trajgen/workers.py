@@ -8,6 +8,7 @@ the run directory: even the files tools make for the user travel home in the out
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import multiprocessing as mp
 import os
@@ -18,8 +19,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 from trajgen import agent, journal, llm, registry, verify
-from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
-from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled,
+from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, WorkerCrashed
+from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled,
                               without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
@@ -27,6 +28,8 @@ from trajgen.sandbox import Sandbox
 from trajgen.sandbox.config import open_sandbox
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.work import Task, WorkerConfig
+
+_PROMPT: contextvars.ContextVar[str] = contextvars.ContextVar("prompt")  # the key of the prompt a call is made for
 
 
 class _Prompt:
@@ -59,7 +62,8 @@ class _Worker:
     def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
         self.endpoint = llm.Endpoint(config.model, config.concurrency)
-        self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()))
+        self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()),
+                                 on_retry=self.retrying)
         self.cache = journal.Cache(config.cache_dir) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
@@ -72,8 +76,16 @@ class _Worker:
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
 
+    def retrying(self, error: Exception, attempt: int, retries: int, wait: float) -> None:
+        """Tell the parent that the current prompt's call waits for a retry, and why."""
+        status = llm.status_of(error)
+        cause = (f"HTTP {status}" if status is not None else "timeout" if isinstance(error, APITimeoutError)
+                 else "connection error")
+        self.send(Retrying(_PROMPT.get(""), cause, attempt, retries, wait))
+
     async def run_one(self, task: Task) -> None:
         """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run."""
+        _PROMPT.set(task.key)  # this prompt's own asyncio task: its context is its own
         prompt = _Prompt(task, self.config)
         try:
             outcome = await self._converse(task, prompt)
@@ -82,6 +94,8 @@ class _Worker:
             self.running.pop(task.key, None)
         if outcome.reason == FatalAPIError.__name__:
             self.send(Fatal(outcome.message))
+        elif outcome.reason == EndpointUnreachable.__name__:
+            self.send(Fatal(f"--base_url={self.config.model.base_url} cannot be reached: {outcome.message}", True))
         elif outcome.traceback and self.config.verbose:
             self.send(Log(f"{task.key}: {outcome.traceback}"))
         self.send(Finished(outcome))

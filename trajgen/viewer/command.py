@@ -1,7 +1,6 @@
 """--view and --report: check the flags, index the run directory once, then serve or write."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from trajgen import console, store
@@ -9,7 +8,7 @@ from trajgen.errors import UsageError
 from trajgen.options import RunOptions
 from trajgen.viewer import render, server
 from trajgen.viewer.index import RunIndex
-from trajgen.viewer.summary import summarize
+from trajgen.viewer.summary import not_kept, summarize
 
 
 def run(opts: RunOptions) -> int:
@@ -24,13 +23,11 @@ def run(opts: RunOptions) -> int:
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such run directory")
     index = RunIndex(run_dir)
-    started = time.monotonic()
     with console.err.status(f"indexing {run_dir}"):
         index.refresh()
-    console.notice(f"indexed {len(index.entries)} prompts in {time.monotonic() - started:.1f} s")
     if opts.view:
         return server.serve(index, opts.view_port)
     target = run_dir / "report.html"
-    store.atomic_write(target, render.report_html(summarize(index)).encode())
+    store.atomic_write(target, render.report_html(summarize(index), not_kept(index)).encode())
     console.out.print(f"wrote {target}")
     return 0

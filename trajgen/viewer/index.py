@@ -236,8 +236,8 @@ def _entry(kind: str, where: tuple, key, record: dict, row: dict, reason: str | 
     meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
     usage = meta.get("usage") if isinstance(meta.get("usage"), dict) else {}
     stats = row.get("tool_stats") if isinstance(row.get("tool_stats"), dict) else {}
-    prompt = _prompt(row)[:PROMPT_CHARS]
-    dataset_id = meta.get("id")
+    prompt = (_prompt(row) or str(record.get("prompt") or ""))[:PROMPT_CHARS]  # a failure record has no row
+    dataset_id = meta.get("id", record.get("id"))
     dataset_id = None if dataset_id is None else str(dataset_id)
     index = row.get("prompt_index", record.get("prompt_index"))
     batch = meta.get("batch_num", record.get("batch_num"))

@@ -13,7 +13,7 @@ from importlib import resources
 
 from trajgen import console
 from trajgen.scheduler import now
-from trajgen.viewer.summary import Summary
+from trajgen.viewer.summary import NOT_KEPT_SHOWN, NotKept, Summary
 
 WIDTH = 640
 LABEL = 170  # room for the names left of horizontal bars
@@ -136,8 +136,24 @@ def stylesheet() -> str:
     return resources.files("trajgen.viewer").joinpath("static/app.css").read_text()
 
 
-def report_html(summary: Summary) -> str:
-    return standalone("Report: " + str(summary.stats["run_name"]), summary_html(summary), "batch_runner.py --report")
+def not_kept_html(prompts: list[NotKept]) -> str:
+    """The prompts without a kept row, each with its status and why."""
+    if not prompts:
+        return _section("Prompts not kept", '<p class="empty">none: every prompt run has a row in trajectories.jsonl</p>')
+    rows = "".join(f'<tr><td>{_e("" if p.prompt_index is None else p.prompt_index)}</td><td>{_e(p.dataset_id or "")}</td>'
+                   f'<td>{_e(p.status)}</td><td>{_e(p.reason or "")}</td><td>{_e(p.preview)}</td></tr>'
+                   for p in prompts[:NOT_KEPT_SHOWN])
+    more = (f'<p class="empty">and {len(prompts) - NOT_KEPT_SHOWN} more: <code>--view</code> lists them all</p>'
+            if len(prompts) > NOT_KEPT_SHOWN else "")
+    return _section(f"Prompts not kept: failed, discarded, filtered ({len(prompts)})",
+                    '<table class="numbers not-kept"><thead><tr><th>prompt</th><th>id</th><th>status</th>'
+                    f'<th>why</th><th>text</th></tr></thead><tbody>{rows}</tbody></table>{more}')
+
+
+def report_html(summary: Summary, prompts: list[NotKept]) -> str:
+    """The run's summary, then the prompts not kept."""
+    return standalone("Report: " + str(summary.stats["run_name"]), summary_html(summary) + not_kept_html(prompts),
+                      "batch_runner.py --report")
 
 
 def standalone(title: str, body: str, written_by: str) -> str:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from trajgen import merge, store
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, RunIndex
-from trajgen.viewer.query import Filtering, status
+from trajgen.viewer.query import Filtering, reason, status
 
 HISTOGRAM_BINS = 20
+NOT_KEPT_SHOWN = 1000  # rows of the report's table of prompts not kept; the viewer lists them all
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,24 @@ def summarize(index: RunIndex) -> Summary:
     return Summary(stats=stats, live=live,
                    turns=histogram([e.turns for e in kept]), tokens=histogram([e.tokens for e in kept]),
                    toolsets={name: (sampled[name], offered[name]) for name in sorted(sampled | offered)})
+
+
+@dataclass(frozen=True)
+class NotKept:
+    """A prompt the run did not keep, for the report's table: failed, discarded or filtered, and why."""
+
+    status: str
+    prompt_index: int | None
+    dataset_id: str | None
+    reason: str | None
+    preview: str
+
+
+def not_kept(index: RunIndex) -> list[NotKept]:
+    """Every prompt that has no row in trajectories.jsonl and was run, in prompt order."""
+    filters = read_filtering(index.run_dir, index)
+    found = sorted((e for e in index.entries if status(e, filters) != "ok"), key=lambda e: e.order)
+    return [NotKept(status(e, filters), e.prompt_index, e.dataset_id, reason(e, filters), e.preview) for e in found]
 
 
 def _together(a: merge.Tally, b: merge.Tally) -> merge.Tally:
