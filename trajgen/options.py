@@ -242,7 +242,7 @@ def check(opts: RunOptions) -> None:
         get_distribution(opts.distribution)
     except KeyError as e:
         raise UsageError(e.args[0])
-    if opts.executor != "processes":  # Ray is imported only when asked for: it costs every worker 0.3 s and 35 MB
+    if opts.executor != "processes":  # Ray is imported only when asked for: its import costs every worker CPU and memory
         from trajgen.ray_executor import check_executor
         check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
     if not os.path.isfile(opts.dataset_file):
