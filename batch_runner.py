@@ -11,24 +11,15 @@ from __future__ import annotations
 import os
 import sys
 
-from trajgen import options
+from trajgen import console, flags, options, run
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
 
-# The rest is imported where it is used: the workers' fork server re-imports this file (it is their
-# __main__), and the run's modules, rich and Fire would cost it half a second of CPU.
-
 
 def main(**flag_values) -> None:
-    from trajgen import console, fork_server
-
     try:
-        opts = RunOptions(**flag_values)
-        fork_server.start(opts)  # its imports of the workers' modules run beside this process's own, next
-        from trajgen import run
-
-        code = run.main(opts)
+        code = run.main(RunOptions(**flag_values))
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
@@ -55,8 +46,6 @@ main.__doc__ = options.docstring("Run a tool-using agent over every prompt of a 
 
 def cli(argv: list[str]) -> None:
     """Every argument is checked before anything starts; Fire renders --help."""
-    from trajgen import console, flags
-
     if flags.wants_help(argv):
         import fire
 

@@ -117,12 +117,6 @@ class RunOptions:
     modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1)
 
     @property
-    def forks_workers(self) -> bool:
-        """Whether this invocation runs prompts in the process pool, whose workers fork from trajgen/fork_server.py."""
-        return self.executor == "processes" and not (self.dry_run or self.list_distributions or self.export
-                                                     or self.view or self.report)
-
-    @property
     def backend(self) -> str:
         backend = self.terminal_backend or os.environ.get("TERMINAL_ENV") or "local"
         return "apptainer" if backend == "singularity" else backend  # Apptainer's former name
