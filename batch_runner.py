@@ -11,13 +11,18 @@ from __future__ import annotations
 import os
 import sys
 
-from trajgen import console, flags, options, run
+from trajgen import flags, options
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
 
+# The run's modules and rich are imported where they are used: the workers' fork server imports
+# this file (their __main__), and every worker forked from it would carry them.
+
 
 def main(**flag_values) -> None:
+    from trajgen import console, run
+
     try:
         code = run.main(RunOptions(**flag_values))
     except UsageError as e:
@@ -54,6 +59,8 @@ def cli(argv: list[str]) -> None:
     try:
         parsed = flags.parse(argv)
     except UsageError as e:
+        from trajgen import console
+
         console.error(str(e))
         sys.exit(2)
     main(**parsed)
