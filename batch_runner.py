@@ -12,24 +12,20 @@ import os
 import shlex
 import sys
 
-from trajgen import options
+from trajgen import flags, options
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
 
-# The rest is imported where it is used: the workers' fork server re-imports this file (it is their
-# __main__), and the run's modules, rich and Fire would cost it half a second of CPU.
+# The run's modules and rich are imported where they are used: the workers' fork server imports
+# this file (their __main__), and every worker forked from it would carry them.
 
 
 def main(**flag_values) -> None:
-    from trajgen import console, fork_server
+    from trajgen import console, run
 
     try:
-        opts = RunOptions(**flag_values)
-        fork_server.start(opts)  # its imports of the workers' modules run beside this process's own, next
-        from trajgen import run
-
-        code = run.main(opts)
+        code = run.main(RunOptions(**flag_values))
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
@@ -57,7 +53,7 @@ main.__doc__ = options.docstring(SUMMARY)
 
 def cli(argv: list[str]) -> None:
     """Every argument is checked before anything starts; --help is printed from RunOptions, with no pager."""
-    from trajgen import console, flags
+    from trajgen import console
 
     if flags.wants_help(argv):
         from trajgen import usage

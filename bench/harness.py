@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import hashlib
 import json
 import math
@@ -49,6 +50,14 @@ if not console.is_terminal:  # logs and pipes: wide enough for the table
 # ----------------------------------------------------------------------------- process hygiene
 
 
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+def _children() -> set[int]:
+    """This process's children, zombies included."""
+    return {int(pid) for f in Path("/proc/self/task").glob("*/children") for pid in f.read_text().split()}
+
+
 class Children:
     """Every process this benchmark starts, so that all of them are stopped on any exit path.
 
@@ -58,6 +67,9 @@ class Children:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        # what a CLI leaves behind comes here rather than to init: multiprocessing's fork server, which
+        # reaped the workers, outlives the CLI by milliseconds, and RUSAGE_CHILDREN counts it once reaped
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
     def start(self, argv: list[str], **kw) -> subprocess.Popen:
         proc = subprocess.Popen(argv, start_new_session=True, **kw)
@@ -85,6 +97,20 @@ class Children:
                 pass
         if proc in self.procs:
             self.procs.remove(proc)
+
+    def reap_adopted(self, timeout: float = 30.0) -> None:
+        """Wait for the processes an exited CLI left behind (they end once its pipes close)."""
+        deadline = time.monotonic() + timeout
+        while adopted := _children() - {p.pid for p in self.procs}:
+            for pid in adopted:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            if time.monotonic() > deadline:
+                say(f"[yellow]warning:[/] processes {sorted(adopted)} outlived their CLI by {timeout:.0f} s")
+                return
+            time.sleep(0.01)
 
     def stop_all(self) -> None:
         for proc in list(reversed(self.procs)):
@@ -473,7 +499,9 @@ def _wait_cli(proc: subprocess.Popen, server: Server, deadline: float, what: str
     """The CLI's exit status; ServerDied when the scripted server dies first."""
     while True:
         try:
-            return proc.wait(1.0)
+            code = proc.wait(1.0)
+            CHILDREN.reap_adopted()  # before the caller reads getrusage: the workers' CPU is theirs
+            return code
         except subprocess.TimeoutExpired:
             if not server.alive():
                 CHILDREN.stop(proc)

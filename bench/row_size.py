@@ -5,7 +5,7 @@ exact per-turn parts (`message`, `reasoning`, `metadata.request`/`dataset`) that
     python bench/row_size.py [N]    # N prompts (default 200), --distribution=development
 
 The real CLI against the in-process scripted server on 127.0.0.1: per prompt a terminal call, a
-write_file call, a second terminal call and an answer, each with reasoning (README, Row format).
+write_file call, a second terminal call and an answer, each with reasoning (docs/output.md, Row format).
 """
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def test_pass_rates_and_pass_at_k_match_a_hand_count():
     assert merge.pass_at_k(5, 0, 3) == 0.0 and merge.pass_at_k(5, 3, 3) == 1.0
 
 
-SOLUTIONS = {  # the README's worked example (data/verify_example.jsonl): what a model that solves it leaves
+SOLUTIONS = {  # docs/verification.md's worked example (data/verify_example.jsonl): what a model that solves it leaves
     "v-fizz": ({"fizz.py": "def fizzbuzz(n):\n    return ('FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 "
                            "else 'Buzz' if n % 5 == 0 else str(n))\n"}, "done"),
     "v-palindrome": ({

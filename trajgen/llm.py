@@ -37,10 +37,9 @@ OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just thi
 class Endpoint:
     """One worker's connection pool to the chat endpoint, shared by all its conversations.
 
-    Our own small HTTP/1.1 client (trajgen/transport.py), not the openai SDK nor aiohttp: the SDK's
-    request pipeline cost about 0.75 ms of CPU per call here and aiohttp's about 0.2 ms, a fifth of
-    the runner's whole cost per call (bench/RESULTS.md). The errors keep the SDK's class names
-    (trajgen/errors.py)."""
+    Our own small HTTP/1.1 client (trajgen/transport.py), not the openai SDK nor aiohttp: both cost
+    several times its CPU per call (bench/RESULTS.md, "The chat calls' HTTP client"). The errors
+    keep the SDK's class names (trajgen/errors.py)."""
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"

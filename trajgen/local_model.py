@@ -46,8 +46,8 @@ def model_path() -> Path:
 
 
 def _rebuild_command() -> str:
-    """The installed llama-cpp-python again, compiled for the portable x86-64 baseline (see README)."""
-    import importlib.metadata  # here only: it costs every worker process 30 ms to import
+    """The installed llama-cpp-python again, compiled for the portable x86-64 baseline (docs/local-model.md)."""
+    import importlib.metadata  # here only: every worker process imports this module and needs none of it
 
     version = importlib.metadata.version("llama-cpp-python")
     return ('CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install --force-reinstall --no-deps --no-cache-dir '

@@ -1,5 +1,5 @@
 """The run's options: one frozen dataclass, the single source of the CLI's flags, their defaults,
-their help, the README's flag table, what resume compares and what exports record.
+their help, the flag table of docs/flags.md, what resume compares and what exports record.
 
 `batch_runner.main` takes exactly these fields as keyword arguments (its signature is built
 from them), and the argument parser in `trajgen/flags.py` reads their types from here.
@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import inspect
 import os
+import sys
 import typing
 import urllib.parse
 import uuid
@@ -136,12 +137,6 @@ class RunOptions:
     modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1, group="tools")
 
     @property
-    def forks_workers(self) -> bool:
-        """Whether this invocation runs prompts in the process pool, whose workers fork from trajgen/fork_server.py."""
-        return self.executor == "processes" and not (self.dry_run or self.list_distributions or self.list_tools
-                                                     or self.export or self.view or self.report or self.compare)
-
-    @property
     def backend(self) -> str:
         backend = self.terminal_backend or os.environ.get("TERMINAL_ENV") or "local"
         return "apptainer" if backend == "singularity" else backend  # Apptainer's former name
@@ -263,7 +258,7 @@ def check(opts: RunOptions) -> None:
         get_distribution(opts.distribution)
     except KeyError as e:
         raise UsageError(e.args[0])
-    if opts.executor != "processes":  # Ray is imported only when asked for: it costs every worker 0.3 s and 35 MB
+    if opts.executor != "processes":  # Ray is imported only when asked for: its import costs every worker CPU and memory
         from trajgen.ray_executor import check_executor
         check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
     if not os.path.isfile(opts.dataset_file):
@@ -271,7 +266,7 @@ def check(opts: RunOptions) -> None:
 
 
 def signature() -> inspect.Signature:
-    """The signature `batch_runner.main` shows to Fire, --help and the README test."""
+    """The signature `batch_runner.main` shows to Fire, --help and tests/test_readme.py."""
     return inspect.Signature([inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                                 annotation=TYPES[f.name]) for f in FIELDS])
 
@@ -282,12 +277,26 @@ def docstring(summary: str) -> str:
     return f"{summary}\n\n    Args:\n" + "\n".join(lines) + "\n"
 
 
+FLAGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
+
+
 def flag_table() -> str:
-    """The README's flag reference (`python -m trajgen.options` prints it)."""
+    """The flag reference of docs/flags.md (`python -m trajgen.options` prints it, `--write` puts it there)."""
     shown = lambda f: f.default if f.name == "base_url" else repr(f.default)  # noqa: E731
     rows = [f"| `--{f.name}` | `{shown(f)}` | {f.metadata['help'].replace('|', '/')} |" for f in FIELDS]
     return "\n".join(["| flag | default | meaning |", "|---|---|---|", *rows])
 
 
+def write_flag_table() -> None:
+    """Replace the table in docs/flags.md (from its header row to the end of the table) with today's."""
+    text = FLAGS_DOC.read_text()
+    start = text.index("| flag | default | meaning |")
+    end = text.find("\n\n", start)
+    FLAGS_DOC.write_text(text[:start] + flag_table() + ("\n" if end < 0 else text[end:]))
+
+
 if __name__ == "__main__":
-    print(flag_table())
+    if sys.argv[1:] == ["--write"]:
+        write_flag_table()
+    else:
+        print(flag_table())

@@ -53,9 +53,8 @@ STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and 
 LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
 SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
 CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, control calls (prompts are its own tasks)
-# what happens within this many seconds of an actor's first new event travels in the same `events` reply: a Ray
-# call costs the actor and the driver about 2 ms of CPU each (measured on 2 busy cores), and a busy actor's
-# sandboxes finish a few ms apart, which made two `events` calls per prompt; now one
+# what happens within this many seconds of an actor's first new event travels in the same `events` reply: each Ray
+# call costs CPU on both ends, and a busy actor's sandboxes finish a few ms apart
 EVENTS_WINDOW = 0.01
 # a reply paid for (Replied, for the journal) or a log line does not start an `events` reply of its own: it waits
 # up to this long for an outcome to travel with (a prompt's first reply comes back mid-prompt: one Ray call per
@@ -63,11 +62,10 @@ EVENTS_WINDOW = 0.01
 NOT_URGENT_DELAY = 0.1
 URGENT = (Finished, Fatal, Throttled, Cancelled)
 # the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
-# installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, which in
-# an actor of 140 MB and 30 threads costs about 2,000 page faults per sandbox started, and can hang the actor
-# for good (a child waiting in those hooks for a lock another thread held at the fork, with the GIL held above).
+# installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, costly in
+# a large threaded actor, and able to hang it for good (a child waiting for a lock another thread held at the fork).
 # A private instance's actors inherit it from this process, so they start in the workers Ray has already
-# started (1.6 s sooner than in workers made for a runtime environment); a cluster's actors get it from theirs.
+# started (sooner than workers made for a runtime environment); a cluster's actors get it from theirs.
 ACTOR_ENV = {"RAY_USE_UVLOOP": "0"}
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 

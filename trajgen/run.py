@@ -13,8 +13,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import (console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler,
-                     store, usage)
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store, usage
 from trajgen import plan as plan_module
 from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
@@ -80,21 +79,20 @@ def main(opts: RunOptions) -> int:
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
-    with fork_server.serving(opts):
-        prepared = prepare(opts)
-        sandbox = opts.sandbox_config()
-        for line in limit_notices(sandbox):
-            console.notice(line)
-        try:
-            if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
-                reap(sandbox)
-            missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
-            if opts.dry_run:
-                return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
-            outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
-        finally:
-            cleanup(sandbox)
-        return finish(prepared, outcome, previous, started)  # the fork server's exit (0.1 s) after the summary
+    prepared = prepare(opts)
+    sandbox = opts.sandbox_config()
+    for line in limit_notices(sandbox):
+        console.notice(line)
+    try:
+        if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
+            reap(sandbox)
+        missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
+        if opts.dry_run:
+            return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
+        outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
+    finally:
+        cleanup(sandbox)
+    return finish(prepared, outcome, previous, started)
 
 
 def run_local(opts: RunOptions) -> int:

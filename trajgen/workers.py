@@ -212,7 +212,8 @@ class ProcessPool:
     def __init__(self, num_workers: int, config: WorkerConfig):
         self.num_workers = num_workers
         self.config = config
-        self.ctx = mp.get_context("forkserver")
+        self.ctx = mp.get_context("forkserver")  # imports the workers' modules once; each worker forks ready
+        self.ctx.set_forkserver_preload(["__main__", "trajgen.workers"])
         self.workers: list[_Handle] = []
 
     def start(self) -> None:

@@ -1,7 +1,7 @@
 """The host end of a sandbox's command loop: one long-lived shell per prompt, commands over a channel.
 
-Starting a sandbox is the costly part of a command (namespaces, mounts, seccomp: about 12 ms of
-machine CPU), so a prompt's sandbox starts once, at its first command, running supervise.sh,
+Starting a sandbox is the costly part of a command (namespaces, mounts, seccomp; its cost is in
+bench/RESULTS.md), so a prompt's sandbox starts once, at its first command, running supervise.sh,
 which runs each command as today's fresh sandbox would and kills everything it left behind. The
 loop is bash, not Python: a prompt with a single command must not pay an interpreter's start-up.
 The command's output comes straight through the channel, capped here, and ends at a random marker

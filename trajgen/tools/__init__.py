@@ -1,4 +1,4 @@
-"""Tool implementations. Each module lists its tools as `ToolSpec`s; `model_tools.py` is the registry.
+"""Tool implementations. Each module lists its tools as `ToolSpec`s; `trajgen/registry.py` gathers them.
 
 A tool is a plain async function `fn(ctx, **arguments) -> dict`. The dict always has
 `success` (bool) and `error` (str or None); statistics read `success`, never the text.

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Verdict, check_host, check_url
 
-if TYPE_CHECKING:  # imported where used: httpx costs 0.15 s of CPU in every worker, which imports this module for its schemas
+if TYPE_CHECKING:  # imported where used: every worker imports this module for its schemas, and httpx's import is costly
     import httpx
 
 DEFAULT_RESULTS = 5
