@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
-from trajgen.sandbox.docker_api import Endpoint, endpoint
+from trajgen.sandbox.docker_client import engine
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -177,15 +177,17 @@ def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_comma
         assert "sleep 425" not in ps.output and ps.exit_code == 0
 
 
-def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config, busybox_image, docker_engine,
-                                                                          tmp_path, monkeypatch):
-    """ssh://, TLS and contexts go through `docker system dial-stdio`: the same API calls over its pipes."""
+def test_an_engine_behind_a_docker_context_is_reached(config, busybox_image, docker_engine, tmp_path, monkeypatch):
+    """Without DOCKER_HOST, the engine is the one of DOCKER_CONTEXT, else of the CLI's current context."""
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
-    subprocess.run(["docker", "context", "create", "trajgen-test", "--docker", f"host={docker_engine}"],
-                   check=True, capture_output=True)
+    for name in ("trajgen-test", "trajgen-current"):
+        subprocess.run(["docker", "context", "create", name, "--docker", f"host={docker_engine}"],
+                       check=True, capture_output=True)
     monkeypatch.delenv("DOCKER_HOST")
+    subprocess.run(["docker", "context", "use", "trajgen-current"], check=True, capture_output=True)
+    assert engine().shown == "docker context trajgen-current"
     monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-test")
-    assert endpoint() == Endpoint("docker context trajgen-test")  # neither a socket nor plain TCP
+    assert engine().shown == "docker context trajgen-test"
     sandbox = open_sandbox(config, "p1", busybox_image, None)
 
     async def session():
@@ -196,7 +198,6 @@ def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config,
 
     shown = arun(session())
     assert (shown.output, shown.exit_code) == ("through the context\nto-stderr\n", 3)
-    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:2375")
-    assert endpoint().tcp == ("127.0.0.1", 2375)
-    monkeypatch.setenv("DOCKER_TLS_VERIFY", "1")
-    assert endpoint() == Endpoint("tcp://127.0.0.1:2375")
+    monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-absent")
+    with pytest.raises(SandboxError, match="^cannot reach the Docker engine: there is no docker context trajgen-absent$"):
+        engine()
