@@ -28,7 +28,12 @@ STDOUT, STDERR = 1, 2
 EXITED_WAIT = 10.0  # seconds an exec may still be reported running once its output has ended
 MESSAGE_CAP = 300  # characters of a daemon's error message we repeat
 FRAMES_AHEAD = 16  # output frames read ahead of the event loop: the command waits beyond that
-_writes = ThreadPoolExecutor(thread_name_prefix="docker-write")  # apart from the calls: a command's input never queues behind a container's start
+# The SDK hands over the exec's raw socket, past the buffer its HTTP client read the answer's headers
+# into: output that came with them would be lost (docker/docker-py#3332). So the command waits for a
+# line on its stdin, sent once the headers are read.
+GATE = ("sh", "-c", 'read -r _ && exec "$@"', "sh")
+# apart from the calls' threads: a command's input never queues behind a container's start
+_writes = ThreadPoolExecutor(thread_name_prefix="docker-write")
 
 
 class EngineError(SandboxError):
@@ -208,9 +213,17 @@ class Exec:
 
 
 async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bool = False) -> Exec:
-    """Start argv in the container as `user`, with its stdin attached (Exec.write) if asked."""
-    created = await call("exec_create", container, list(argv), stdin=stdin, user=user)
-    return Exec(created["Id"], await call("exec_start", created["Id"], socket=True))
+    """Start argv in the container as `user`, with its stdin attached (Exec.write) if asked, else at its end."""
+    created = await call("exec_create", container, [*GATE, *argv], stdin=True, user=user)
+    ex = Exec(created["Id"], await call("exec_start", created["Id"], socket=True))
+    ex.write(b"\n")  # opens the gate: with the caller's first input, or now
+    if not stdin:
+        try:
+            await ex.send(b"")
+        except BaseException:
+            ex.close()
+            raise
+    return ex
 
 
 async def run_exec(container: str, user: str, argv: Sequence[str], on_output: Callable[[int, bytes], None],
