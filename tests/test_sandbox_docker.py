@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import subprocess
 import time
 
@@ -57,6 +58,23 @@ def test_runs_in_the_image_at_the_cwd_without_network(config, busybox_image, mon
     [container] = containers(config.label)
     settings = inspect(container, "{{.Config.Image}} {{.HostConfig.NetworkMode}} {{.HostConfig.PidsLimit}}")
     assert settings == f"{busybox_image} none 64"
+    asyncio.run(sandbox.close())
+
+
+def test_output_that_comes_with_the_execs_answer_is_not_lost(config, busybox_image, monkeypatch):
+    """The SDK reads an exec's output from the raw socket, past the buffer its HTTP client read the
+    answer into (docker/docker-py#3332): the command must not start before that answer is read."""
+    begin = http.client.HTTPResponse.begin
+
+    def late(response):  # the command has long printed when its exec's answer is read
+        time.sleep(0.5)
+        return begin(response)
+
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+    assert run(sandbox, "true").exit_code == 0  # the container, started at the normal pace
+    monkeypatch.setattr(http.client.HTTPResponse, "begin", late)
+    assert run(sandbox, "echo hi").output == "hi\n"
+    monkeypatch.undo()
     asyncio.run(sandbox.close())
 
 
