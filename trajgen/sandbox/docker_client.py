@@ -27,12 +27,15 @@ DEFAULT_HOST = "unix:///var/run/docker.sock"
 STDOUT, STDERR = 1, 2
 EXITED_WAIT = 10.0  # seconds an exec may still be reported running once its output has ended
 MESSAGE_CAP = 300  # characters of a daemon's error message we repeat
+CALL_THREADS = 32  # engine calls at once (the default executor has cores + 4 threads, shared)
 FRAMES_AHEAD = 16  # output frames read ahead of the event loop: the command waits beyond that
 # The SDK hands over the exec's raw socket, past the buffer its HTTP client read the answer's headers
 # into: output that came with them would be lost (docker/docker-py#3332). So the command waits for a
 # line on its stdin, sent once the headers are read.
 GATE = ("sh", "-c", 'read -r _ && exec "$@"', "sh")
-# apart from the calls' threads: a command's input never queues behind a container's start
+# Threads of their own: a call waits on the engine (a container's start takes a few hundred ms), and
+# a command's input must not queue behind those calls, nor they behind the run's other threads.
+_calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="docker-call")
 _writes = ThreadPoolExecutor(thread_name_prefix="docker-write")
 
 
@@ -108,7 +111,7 @@ def sync_call(method: str, *args: Any, **kwargs: Any) -> Any:
 
 async def call(method: str, *args: Any, **kwargs: Any) -> Any:
     """sync_call in a thread."""
-    return await asyncio.to_thread(sync_call, method, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_calls, functools.partial(sync_call, method, *args, **kwargs))
 
 
 class Exec:
