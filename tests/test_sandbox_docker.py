@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import subprocess
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
-from trajgen.sandbox.docker_client import engine
+from trajgen.sandbox.docker_client import call, engine
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -76,6 +77,26 @@ def test_output_that_comes_with_the_execs_answer_is_not_lost(config, busybox_ima
     assert run(sandbox, "echo hi").output == "hi\n"
     monkeypatch.undo()
     asyncio.run(sandbox.close())
+
+
+def test_a_process_forked_after_engine_calls_makes_its_own(docker_engine, busybox_image):
+    """Workers may be forked from a process that has called the engine: they get threads and connections of their own."""
+    asyncio.run(call("inspect_image", busybox_image))
+    parents = engine()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            asyncio.run(asyncio.wait_for(call("inspect_image", busybox_image), 30))
+            os._exit(0 if engine() is not parents else 1)  # not the parent's client and its pooled connections
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_timeout_kills_the_command_and_its_children(config, busybox_image):

@@ -24,7 +24,7 @@ from docker.utils.socket import SocketError, next_frame_header, read_exactly
 from trajgen.sandbox import BackendUnreachable, SandboxError
 
 DEFAULT_HOST = "unix:///var/run/docker.sock"
-STDOUT, STDERR = 1, 2
+STDOUT = 1  # the stream number of stdout in an exec's frames
 EXITED_WAIT = 10.0  # seconds an exec may still be reported running once its output has ended
 MESSAGE_CAP = 300  # characters of a daemon's error message we repeat
 CALL_THREADS = 32  # engine calls at once (the default executor has cores + 4 threads, shared)
@@ -33,10 +33,6 @@ FRAMES_AHEAD = 16  # output frames read ahead of the event loop: the command wai
 # into: output that came with them would be lost (docker/docker-py#3332). So the command waits for a
 # line on its stdin, sent once the headers are read.
 GATE = ("sh", "-c", 'read -r _ && exec "$@"', "sh")
-# Threads of their own: a call waits on the engine (a container's start takes a few hundred ms), and
-# a command's input must not queue behind those calls, nor they behind the run's other threads.
-_calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="docker-call")
-_writes = ThreadPoolExecutor(thread_name_prefix="docker-write")
 
 
 class EngineError(SandboxError):
@@ -107,6 +103,20 @@ def sync_call(method: str, *args: Any, **kwargs: Any) -> Any:
         raise EngineError(e.status_code or 0, message or f"HTTP status {e.status_code}") from None
     except (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError) as e:
         raise BackendUnreachable(f"cannot talk to the Docker engine at {where.shown}: {_reason(e)}") from None
+
+
+def _own_threads_and_clients() -> None:
+    """Threads of their own: a call waits on the engine (a container's start takes a few hundred ms), and
+    a command's input must not queue behind those calls, nor they behind the run's other threads. A
+    forked child has none of its parent's threads, and must not share its parent's connections."""
+    global _calls, _writes
+    _calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="docker-call")
+    _writes = ThreadPoolExecutor(thread_name_prefix="docker-write")
+    _engine.cache_clear()
+
+
+_own_threads_and_clients()
+os.register_at_fork(after_in_child=_own_threads_and_clients)
 
 
 async def call(method: str, *args: Any, **kwargs: Any) -> Any:
