@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.docker_client import STDOUT, EngineError, call, run_exec, start_exec, sync_call
+from trajgen.sandbox.docker_client import STDOUT, EngineError, call, pull, run_exec, start_exec, sync_call
 from trajgen.sandbox.process import Capture, last_line
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
@@ -213,19 +213,12 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
                 if e.status != 404:
                     raise
         async with _control(f"image {image} is not available locally and pulling it failed", PULL_TIMEOUT):
-            await asyncio.to_thread(_pull, image)
+            await pull(image)
     except BackendUnreachable:
         raise
     except SandboxError as e:
         return str(e)
     return None
-
-
-def _pull(image: str) -> None:
-    """Pull the image; its failure, which the engine reports inside the pull's progress, as EngineError."""
-    for event in sync_call("pull", image, stream=True, decode=True):
-        if "error" in event:
-            raise EngineError(0, " ".join(str(event["error"]).split()))
 
 
 def remove_containers(tag: str, value: str) -> None:

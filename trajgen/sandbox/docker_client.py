@@ -13,8 +13,9 @@ import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import docker
 import requests
@@ -96,8 +97,23 @@ def _reason(e: BaseException) -> str:
 def sync_call(method: str, *args: Any, **kwargs: Any) -> Any:
     """One SDK call (an APIClient method); EngineError with the daemon's message, BackendUnreachable."""
     where = engine()
-    try:
+    with _failures_said(where):
         return getattr(where.api, method)(*args, **kwargs)
+
+
+def _pull(image: str) -> None:
+    """Pull the image; its failure, which the engine reports inside the pull's progress, as EngineError."""
+    where = engine()
+    with _failures_said(where):
+        for event in where.api.pull(image, stream=True, decode=True):
+            if "error" in event:
+                raise EngineError(0, " ".join(str(event["error"]).split())[:MESSAGE_CAP])
+
+
+@contextmanager
+def _failures_said(where: Engine) -> Iterator[None]:
+    try:
+        yield
     except docker.errors.APIError as e:
         message = " ".join(str(e.explanation or "").split())[:MESSAGE_CAP]
         raise EngineError(e.status_code or 0, message or f"HTTP status {e.status_code}") from None
@@ -122,6 +138,11 @@ os.register_at_fork(after_in_child=_own_threads_and_clients)
 async def call(method: str, *args: Any, **kwargs: Any) -> Any:
     """sync_call in a thread."""
     return await asyncio.get_running_loop().run_in_executor(_calls, functools.partial(sync_call, method, *args, **kwargs))
+
+
+async def pull(image: str) -> None:
+    """Pull the image (with the registry logins of the CLI's config.json), in a thread."""
+    await asyncio.get_running_loop().run_in_executor(_calls, _pull, image)
 
 
 class Exec:
