@@ -10,6 +10,7 @@ Per operation, N times in a row: wall time and this process's CPU, medians in ms
   remove   force-remove a container
   pull     a pull from a registry that refuses the connection (127.0.0.1:1): the call's own cost
 
+    python -m pip install aiodocker  # the runner itself needs only the SDK
     DOCKER_HOST=unix:///tmp/trajgen-ci-dockerd/docker.sock python bench/docker_clients.py
 """
 from __future__ import annotations
