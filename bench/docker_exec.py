@@ -74,13 +74,15 @@ async def main():
     d1, c1, m1, t1 = sum(map(proc_cpu, engine)), sum(map(proc_cpu, trees)), machine(), time.perf_counter()
     for box in boxes:
         await box.close()
-    cleanup(config)
     runner = sum((b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime) for a, b in zip(r0, r1))
     print(json.dumps({"runner_ms": 1000 * runner / total, "daemons_ms": 1000 * (d1 - d0) / total,
                       "containers_ms": 1000 * (c1 - c0) / total,
                       "machine_ms": 1000 * (m1 - m0) / total, "wall_ms": 1000 * (t1 - t0) / total}))
 
-asyncio.run(main())
+try:
+    asyncio.run(main())
+finally:  # a failed command leaves no container behind
+    cleanup(config)
 """
 
 

@@ -9,8 +9,9 @@ from math import comb
 import pytest
 
 from tests.conftest import ROOT, write_jsonl
-from trajgen import dataset, merge, plan, verify
+from trajgen import dataset, merge, plan, run, verify
 from trajgen.distributions import get_distribution, sample_toolsets
+from trajgen.options import RunOptions
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.verify import Verdict
 
@@ -34,7 +35,8 @@ def test_samples_have_their_own_keys_and_share_the_prompts_toolsets(tmp_path):
     distribution = get_distribution("balanced")
 
     def run(done=frozenset(), per_sample=False):
-        return list(plan.tasks(str(path), check, set(done), distribution, 7, 10, None, 0, {}, {}, 3, per_sample))
+        entries = dataset.entries(str(path), check.duplicates)
+        return list(plan.tasks(entries, check.fingerprint, set(done), distribution, 7, 10, 0, {}, {}, 3, per_sample))
 
     tasks = run()
     prompt_keys = [e.key for e in dataset.entries(str(path), check.duplicates)]
@@ -156,3 +158,19 @@ def test_the_readme_example_passes_a_solution_and_fails_without_one(sandbox_conf
         assert in_sandbox(sandbox_config, f"{row['id']}-solved", solved).verdict is Verdict.PASSED, row["id"]
         failed = in_sandbox(sandbox_config, f"{row['id']}-unsolved", unsolved)
         assert (failed.verdict, failed.error) == (Verdict.FAILED, None), row["id"]
+
+
+def test_prepare_reads_the_dataset_once_and_the_run_gives_the_keys_it_counted(tmp_path, monkeypatch):
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "a"}, {"prompt": "c", "image": "img"}, {"prompt": "a"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    reads = []
+    lines = dataset._lines
+    monkeypatch.setattr(dataset, "_lines", lambda p: reads.append(p) or lines(p))
+    prepared = run.prepare(RunOptions(dataset_file=str(path), run_name="r", output_dir=str(tmp_path / "data"),
+                                      base_url="http://127.0.0.1:1/v1", api_key="k", distribution="terminal_only"))
+    assert reads == [str(path)]
+    assert (prepared.plan.remaining, prepared.plan.rows_with_image, prepared.check.valid) == (5, 1, 5)
+    keys = [t.key for t in prepared.tasks()]
+    assert len(reads) == 2 and len(set(keys)) == 5
+    assert [k.rsplit("-", 1)[1] for k in keys] == ["0", "0", "1", "0", "2"]  # the copies of "a" numbered in order
+    assert prepared.manifest["dataset"]["fingerprint"] == dataset.check(str(path)).fingerprint

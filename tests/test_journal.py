@@ -200,6 +200,21 @@ def test_prompts_that_land_without_journal_entries_leave_no_state_behind(tmp_pat
     writer.journal({"key": "k0", "turn": 0, "hash": "h", "message": {"content": "k0"}, "usage": {}})
     for i in range(1000):
         writer.row(i // 10, f"k{i}", orjson.Fragment(orjson.dumps({"metadata": {"prompt_key": f"k{i}"}})))
-    assert writer.landed == {"k0"}  # the one with an entry, whose entry the next compaction drops
+    assert writer.replies.landed == {"k0"}  # the one with an entry, whose entry the next compaction drops
     writer.close({})
     assert list(store.read_records(tmp_path / store.JOURNAL, [])) == []
+
+
+def test_a_settled_batch_file_is_read_by_the_prefix_store_writes_whatever_the_rows_key_order(tmp_path):
+    """The resume scan reads a settled file's keys from the start of each line: store puts them there."""
+    writer = store.Writer(tmp_path)
+    for i, key in enumerate(("a", "b")):
+        row = {"conversations": [], "metadata": {"model": "m", "prompt_key": key}, "prompt_index": i}
+        assert store.ROW_START.match(store.encode_row(row)).group(1) == key.encode()
+        writer.row(0, key, orjson.Fragment(store.encode_row(row)))
+    writer.end_batch(0)
+    writer.close({})
+    assert store.settled(tmp_path) == {0}
+    assert list(store.row_keys(tmp_path, [])) == ["a", "b"]
+    assert [r["metadata"] for r in store.read_records(tmp_path / "batch_0.jsonl", [])] == [
+        {"prompt_key": "a", "model": "m"}, {"prompt_key": "b", "model": "m"}]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import os
 import subprocess
 import time
 
@@ -10,7 +12,7 @@ import pytest
 from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
-from trajgen.sandbox.docker_api import Endpoint, endpoint
+from trajgen.sandbox.docker_client import call, engine
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -58,6 +60,43 @@ def test_runs_in_the_image_at_the_cwd_without_network(config, busybox_image, mon
     settings = inspect(container, "{{.Config.Image}} {{.HostConfig.NetworkMode}} {{.HostConfig.PidsLimit}}")
     assert settings == f"{busybox_image} none 64"
     asyncio.run(sandbox.close())
+
+
+def test_output_that_comes_with_the_execs_answer_is_not_lost(config, busybox_image, monkeypatch):
+    """The SDK reads an exec's output from the raw socket, past the buffer its HTTP client read the
+    answer into (docker/docker-py#3332): the command must not start before that answer is read."""
+    begin = http.client.HTTPResponse.begin
+
+    def late(response):  # the command has long printed when its exec's answer is read
+        time.sleep(0.5)
+        return begin(response)
+
+    sandbox = open_sandbox(config, "p1", busybox_image, None)
+    assert run(sandbox, "true").exit_code == 0  # the container, started at the normal pace
+    monkeypatch.setattr(http.client.HTTPResponse, "begin", late)
+    assert run(sandbox, "echo hi").output == "hi\n"
+    monkeypatch.undo()
+    asyncio.run(sandbox.close())
+
+
+def test_a_process_forked_after_engine_calls_makes_its_own(docker_engine, busybox_image):
+    """Workers may be forked from a process that has called the engine: they get threads and connections of their own."""
+    asyncio.run(call("inspect_image", busybox_image))
+    parents = engine()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            asyncio.run(asyncio.wait_for(call("inspect_image", busybox_image), 30))
+            os._exit(0 if engine() is not parents else 1)  # not the parent's client and its pooled connections
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_timeout_kills_the_command_and_its_children(config, busybox_image):
@@ -177,15 +216,17 @@ def test_a_timed_out_or_killed_loop_takes_every_process_along_and_the_next_comma
         assert "sleep 425" not in ps.output and ps.exit_code == 0
 
 
-def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config, busybox_image, docker_engine,
-                                                                          tmp_path, monkeypatch):
-    """ssh://, TLS and contexts go through `docker system dial-stdio`: the same API calls over its pipes."""
+def test_an_engine_behind_a_docker_context_is_reached(config, busybox_image, docker_engine, tmp_path, monkeypatch):
+    """Without DOCKER_HOST, the engine is the one of DOCKER_CONTEXT, else of the CLI's current context."""
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
-    subprocess.run(["docker", "context", "create", "trajgen-test", "--docker", f"host={docker_engine}"],
-                   check=True, capture_output=True)
+    for name in ("trajgen-test", "trajgen-current"):
+        subprocess.run(["docker", "context", "create", name, "--docker", f"host={docker_engine}"],
+                       check=True, capture_output=True)
     monkeypatch.delenv("DOCKER_HOST")
+    subprocess.run(["docker", "context", "use", "trajgen-current"], check=True, capture_output=True)
+    assert engine().shown == "docker context trajgen-current"
     monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-test")
-    assert endpoint() == Endpoint("docker context trajgen-test")  # neither a socket nor plain TCP
+    assert engine().shown == "docker context trajgen-test"
     sandbox = open_sandbox(config, "p1", busybox_image, None)
 
     async def session():
@@ -196,7 +237,6 @@ def test_an_engine_behind_a_docker_context_is_reached_through_dial_stdio(config,
 
     shown = arun(session())
     assert (shown.output, shown.exit_code) == ("through the context\nto-stderr\n", 3)
-    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:2375")
-    assert endpoint().tcp == ("127.0.0.1", 2375)
-    monkeypatch.setenv("DOCKER_TLS_VERIFY", "1")
-    assert endpoint() == Endpoint("tcp://127.0.0.1:2375")
+    monkeypatch.setenv("DOCKER_CONTEXT", "trajgen-absent")
+    with pytest.raises(SandboxError, match="^cannot reach the Docker engine: there is no docker context trajgen-absent$"):
+        engine()

@@ -114,7 +114,7 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
             if name not in conv.offered and name not in hallucinated:
                 hallucinated.append(name)
             turns.append({**trajectory.tool_turn(message["tool_call_id"], name, result), "message": message})
-    metadata = {  # the key first: store.scan reads it from the start of the line
+    metadata = {
         "prompt_key": task.key, "batch_num": task.batch_num, "timestamp": conv.ended_at, "model": settings.model,
         **{k: v for k, v in task.extra.items() if k not in ("prompt_key", "batch_num", "timestamp", "model")},
         "group_id": task.group_id or task.key, "sample_index": task.sample_index,

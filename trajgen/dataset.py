@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from array import array
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -80,10 +79,13 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
                 yield index, raw
 
 
-def check(path: str, max_samples: int | None = None, max_errors_shown: int = 20) -> DatasetCheck:
-    """Validate every line and find repeated prompts, holding 8 bytes per prompt, not the prompts."""
-    result = DatasetCheck()
-    heads = array("Q")
+def read(path: str, result: DatasetCheck, max_samples: int | None = None,
+         max_errors_shown: int = 20) -> Iterator[Entry]:
+    """The valid entries with their keys, each line validated into `result` on the way, which is
+    complete once they are all read: the check and the plan's count in one pass. It holds every
+    prompt's 8-byte content head (a set), not the prompts."""
+    seen: set[int] = set()
+    repeats: dict[int, int] = {}  # heads met more than once -> the copies met after the first
     digest = hashlib.blake2b(digest_size=16)
     for index, raw in _lines(path):
         parsed = parse_line(raw, index, path)
@@ -97,10 +99,23 @@ def check(path: str, max_samples: int | None = None, max_errors_shown: int = 20)
         result.valid += 1
         h = content_hash(parsed)
         digest.update(h)
-        heads.append(int.from_bytes(h[:8], "little"))
+        head = int.from_bytes(h[:8], "little")
+        if head in seen:
+            occurrence = repeats[head] = repeats.get(head, 0) + 1
+        else:
+            occurrence = 0
+            seen.add(head)
+        parsed.key = f"{h.hex()}-{occurrence}"
+        yield parsed
     result.fingerprint = digest.hexdigest()
-    ordered = sorted(heads)
-    result.duplicates = {a for a, b in zip(ordered, ordered[1:]) if a == b}
+    result.duplicates = set(repeats)
+
+
+def check(path: str, max_samples: int | None = None, max_errors_shown: int = 20) -> DatasetCheck:
+    """Validate every line and find repeated prompts."""
+    result = DatasetCheck()
+    for _ in read(path, result, max_samples, max_errors_shown):
+        pass
     return result
 
 

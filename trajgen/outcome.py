@@ -12,9 +12,8 @@ import enum
 import traceback
 from dataclasses import dataclass, field
 
-import orjson
 
-from trajgen import errors, llm
+from trajgen import errors, llm, store
 from trajgen.model import no_usage
 from trajgen.work import Task
 
@@ -52,7 +51,7 @@ def decide(task: Task, row: dict | None = None, error: BaseException | None = No
     if error is None:
         usage = row["metadata"]["usage"]
         try:
-            data = orjson.dumps(row)
+            data = store.encode_row(row)
         except TypeError as e:
             error = errors.RowNotSerializable(f"the row cannot be written as JSON: {e}")
             error.__cause__ = e

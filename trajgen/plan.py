@@ -3,13 +3,13 @@
 Each prompt is run `samples` times (--samples_per_prompt). Sample 0 keeps the prompt's key, so
 one sample per prompt is the run it always was; sample i gets `<key>~<i>`, its own identity for
 resume, the journal and the cache, so raising the count on --resume adds only the new samples.
-Streamed from the dataset twice: once to count (before the first request), once to run.
+Streamed from the dataset twice: once to check and count (before the first request), once to run.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from trajgen.distributions import Distribution, sample_toolsets
 from trajgen import dataset
@@ -35,15 +35,15 @@ def sample_key(key: str, index: int) -> str:
     return key if index == 0 else f"{key}~{index}"
 
 
-def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: Distribution, seed: int,
-          batch_size: int, max_samples: int | None, first_batch: int, unavailable: dict[str, str],
+def tasks(entries: Iterable[dataset.Entry], fingerprint: str, done: set[str], distribution: Distribution, seed: int,
+          batch_size: int, first_batch: int, unavailable: dict[str, str],
           journal: dict[str, list[dict]], samples: int = 1, toolsets_per_sample: bool = False) -> Iterator[Task]:
-    """Every sample without a final record, in dataset order (a prompt's samples together), in
-    consecutive batches of batch_size; each with its journaled replies (`journal`: sample key ->
-    entries), which it replays. The toolsets are sampled once per prompt, so a group is
-    comparable, unless `toolsets_per_sample`."""
+    """Every sample of the keyed `entries` without a final record, in dataset order (a prompt's
+    samples together), in consecutive batches of batch_size; each with its journaled replies
+    (`journal`: sample key -> entries), which it replays. The toolsets are sampled once per
+    prompt, so a group is comparable, unless `toolsets_per_sample`."""
     n = 0
-    for entry in dataset.entries(path, check.duplicates, max_samples):
+    for entry in entries:
         extra = {**entry.extra, **({"image": entry.image} if entry.image else {}), **({"cwd": entry.cwd} if entry.cwd else {})}
         for index in range(samples):
             key = sample_key(entry.key, index)
@@ -51,7 +51,7 @@ def tasks(path: str, check: dataset.DatasetCheck, done: set[str], distribution: 
                 continue
             sampled = sample_toolsets(distribution, seed, key if toolsets_per_sample else entry.key)
             yield Task(key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
-                       extra, sampled, [t for t in sampled if t not in unavailable], check.fingerprint,
+                       extra, sampled, [t for t in sampled if t not in unavailable], fingerprint,
                        tuple(journal.get(key, ())), entry.verify, index, entry.key)
             n += 1
 

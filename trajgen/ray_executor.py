@@ -20,13 +20,6 @@ the pool follows the cluster: one actor per `worker_cpus` of its CPUs, re-evalua
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
-import os
-import secrets
-import shutil
-import signal
-import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -45,12 +38,13 @@ from trajgen.workers import _Worker
 try:
     import ray
     from ray.exceptions import RayError
+
+    from trajgen.ray_session import ACTOR_ENV, RaySession
 except ImportError:  # Ray is an optional extra
     ray = None
 
 EXECUTORS = ("processes", "ray")
 STOP_TIMEOUT = 30.0  # seconds for the actors to cancel their conversations and clean up at close
-LOCAL_TOKEN = secrets.token_hex(32)  # a local instance's auth token: one per process, as Ray caches the first it reads
 SANDBOX = "sandbox"  # what a node lacks when its local sandboxes cannot run
 CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, control calls (prompts are its own tasks)
 # what happens within this many seconds of an actor's first new event travels in the same `events` reply: each Ray
@@ -61,12 +55,6 @@ EVENTS_WINDOW = 0.01
 # prompt, not two); the outcomes, a 429 and a fatal error go at once
 NOT_URGENT_DELAY = 0.1
 URGENT = (Finished, Fatal, Throttled, Cancelled)
-# the actors run asyncio's own event loop, as the pool's workers do, not uvloop (Ray's choice wherever it is
-# installed): uvloop starts each process with fork() and runs Python's after-fork hooks in the child, costly in
-# a large threaded actor, and able to hang it for good (a child waiting for a lock another thread held at the fork).
-# A private instance's actors inherit it from this process, so they start in the workers Ray has already
-# started (sooner than workers made for a runtime environment); a cluster's actors get it from theirs.
-ACTOR_ENV = {"RAY_USE_UVLOOP": "0"}
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
 
@@ -195,6 +183,28 @@ class _Slot:
     report: NodeReport | None = None  # what its node lacks, from its latest `ready`
 
 
+class _NodeNotes:
+    """What each node lacks, said once per node."""
+
+    def __init__(self) -> None:
+        self.named: set[str] = set()  # nodes whose report has been said
+
+    def said(self, report: NodeReport) -> list[Event]:
+        if report.node in self.named or not report.missing:
+            return []
+        self.named.add(report.node)
+        lacks = "; ".join(f"{need} ({why})" for need, why in report.missing.items())
+        return [Log(f"Ray node {report.node} lacks {lacks}: prompts that need it run on other nodes")]
+
+
+def _unservable(task: Task, wanted: set[str], reports: list[NodeReport], require_toolsets: bool) -> Event:
+    """A prompt no node can serve: failed (resume retries it), or the run's end under --require_toolsets."""
+    lacks = sorted({f"{r.node} lacks {need} ({r.missing[need]})" for r in reports for need in wanted & r.missing.keys()})
+    if require_toolsets:
+        return Fatal(f"--require_toolsets: no Ray node can serve prompt {task.prompt_index}: {'; '.join(lacks)}")
+    return Finished(decide(task, error=NoNodeCanServe(f"no Ray node can serve it: {'; '.join(lacks)}")))
+
+
 class RayPool:
     """`num_workers` Ray actors (None: as many as the cluster's CPUs hold, as it grows and shrinks);
     each holds up to its share of the run's concurrency. `images`: the container images the prompts name,
@@ -210,15 +220,14 @@ class RayPool:
         self.slots: list[_Slot] = []
         self.created = 0  # actors made so far: numbers them
         self.next_resize = 0.0
-        self.named: set[str] = set()  # nodes whose report has been said
+        self.nodes = _NodeNotes()
         self.queue: deque[Task] = deque()  # submitted, waiting for an actor that is up and has room
         self.crashes: Counter[str] = Counter()  # per prompt key: runs lost to a dead actor
-        self.temp_dir: str | None = None  # Ray's session files, for an instance we started
-        self.saved_env: dict[str, str | None] = {}  # variables to restore after a local instance
+        self.session = RaySession()
 
     def start(self) -> None:
         try:
-            self._init_ray()
+            self.session.connect(self.address, (self.num_workers or 0) * self.worker_cpus)
             self.actor_class = ray.remote(_RayWorker).options(
                 num_cpus=self.worker_cpus, memory=int(self.worker_memory * 2**20) if self.worker_memory else None,
                 max_restarts=-1, max_concurrency=CALLS,
@@ -255,33 +264,6 @@ class RayPool:
             self.slots.remove(slot)
         return [Log(f"the Ray cluster shrank: {len(self.slots)} workers")] if surplus else []
 
-    def _init_ray(self) -> None:
-        """Join `address`, or start a private local instance: on loopback only, its files in a temp dir,
-        room for every worker whatever the core count, token auth with a fresh token in the
-        environment (nothing written to ~/.ray; Ray turns token auth on itself, before it reads the mode),
-        no usage statistics sent to Ray's makers (on by default, even without the dashboard), and the
-        actors' environment (ACTOR_ENV) in ours, for the processes Ray starts to inherit.
-        The actors print nothing (their events carry the logs), so nothing streams their output here."""
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
-                                   "log_to_driver": False}
-        if self.address is None:
-            self.temp_dir = tempfile.mkdtemp(prefix="trajgen-ray-")
-            ours = {"RAY_AUTH_TOKEN": LOCAL_TOKEN, "RAY_USAGE_STATS_ENABLED": "0", **ACTOR_ENV}
-            self.saved_env = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", *ours)}
-            for name, value in ours.items():
-                os.environ.setdefault(name, value)
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-            cpus = max(os.cpu_count() or 1, math.ceil((self.num_workers or 0) * self.worker_cpus))
-            options.update(address="local", num_cpus=cpus, _temp_dir=self.temp_dir, _node_ip_address="127.0.0.1")
-        else:
-            options["address"] = self.address
-        try:
-            ray.init(**options)
-        finally:
-            for sig, handler in handlers.items():  # ray.init takes SIGTERM; the parent owns the signals
-                signal.signal(sig, handler)
-
     @property
     def inflight(self) -> int:
         return len(self.queue) + sum(len(s.inflight) for s in self.slots)
@@ -307,7 +289,7 @@ class RayPool:
                 batches.setdefault(slot.number, []).append(task)
             elif not able and everyone_reported:
                 self.queue.remove(task)
-                messages.append(self._unservable(task, wanted))
+                messages.append(_unservable(task, wanted, [s.report for s in self.slots], self.require_toolsets))
         for slot in self.slots:
             batch = batches.get(slot.number, [])
             if slot.up and slot.watch is None:  # its last `events` call has answered
@@ -319,13 +301,6 @@ class RayPool:
 
     def _ask(self, slot: _Slot, tasks: list[Task]) -> None:
         slot.watch = slot.actor.events.remote(slot.epoch, tasks)
-
-    def _unservable(self, task: Task, wanted: set[str]) -> Event:
-        lacks = sorted({f"{s.report.node} lacks {need} ({s.report.missing[need]})"
-                        for s in self.slots for need in wanted & s.report.missing.keys()})
-        if self.require_toolsets:
-            return Fatal(f"--require_toolsets: no Ray node can serve prompt {task.prompt_index}: {'; '.join(lacks)}")
-        return Finished(decide(task, error=NoNodeCanServe(f"no Ray node can serve it: {'; '.join(lacks)}")))
 
     def poll(self, timeout: float) -> list[Event]:
         """Messages from the actors; prompts of a dead actor run again elsewhere or come back failed."""
@@ -350,20 +325,12 @@ class RayPool:
             self.slots.remove(slot)  # Ray retries `ready` across restarts: it failed, so the actor is gone for good
             return [Log(f"Ray worker {slot.number} is gone for good: {_why(e)}")]
         if not slot.up:
-            slot.up, slot.report, messages = True, messages, self._named(messages)
+            slot.up, slot.report, messages = True, messages, self.nodes.said(messages)
         for message in messages:
             if isinstance(message, Finished):
                 slot.inflight.pop(message.outcome.key, None)
         slot.watch = None  # asked again at the next dispatch, with the prompts admitted meanwhile
         return messages
-
-    def _named(self, report: NodeReport) -> list[Event]:
-        """What a node lacks, said once per node."""
-        if report.node in self.named or not report.missing:
-            return []
-        self.named.add(report.node)
-        lacks = "; ".join(f"{need} ({why})" for need, why in report.missing.items())
-        return [Log(f"Ray node {report.node} lacks {lacks}: prompts that need it run on other nodes")]
 
     def _down(self, slot: _Slot, error: Exception) -> list[Event]:
         """Stop sending it prompts until Ray has restarted it; its prompts run again elsewhere, each up to
@@ -417,7 +384,7 @@ class RayPool:
                 for slot in self.slots:
                     ray.kill(slot.actor, no_restart=True)
         finally:
-            self._disconnect()
+            self.session.disconnect()
 
     def close(self) -> None:
         """Stop the actors, let each clean its node, and disconnect (stopping Ray if we started it)."""
@@ -429,19 +396,7 @@ class RayPool:
                 for slot in self.slots:
                     ray.kill(slot.actor, no_restart=True)
         finally:
-            self._disconnect()
-
-    def _disconnect(self) -> None:
-        ray.shutdown()
-        for name, value in self.saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        self.saved_env = {}
-        if self.temp_dir:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-            self.temp_dir = None
+            self.session.disconnect()
 
 
 def _wait_all(refs: list, timeout: float) -> list:

@@ -42,13 +42,23 @@ class Prepared:
     plan: Plan
     fresh: bool = True  # this invocation starts the run directory (it was empty, or --overwrite)
 
-    def tasks(self) -> Iterator[Task]:
-        """The plan's prompts, streamed from the dataset (once to count, once to run)."""
+    def tasks(self, entries: Iterator[dataset.Entry] | None = None) -> Iterator[Task]:
+        """The plan's prompts, streamed from the dataset to run them, or from `entries` (the
+        checking pass, which counts them before the dataset's fingerprint is known)."""
         opts = self.opts
-        return plan_module.tasks(str(opts.dataset_file), self.check, self.scan.done,
-                                 get_distribution(opts.distribution), opts.seed, opts.batch_size, opts.max_samples,
-                                 self.scan.next_batch, self.unavailable_sets, self.scan.journal,
-                                 opts.samples_per_prompt, opts.toolsets_per_sample)
+        if entries is None:
+            entries = dataset.entries(str(opts.dataset_file), self.check.duplicates, opts.max_samples)
+        return plan_module.tasks(entries, self.check.fingerprint, self.scan.done, get_distribution(opts.distribution),
+                                 opts.seed, opts.batch_size, self.scan.next_batch, self.unavailable_sets,
+                                 self.scan.journal, opts.samples_per_prompt, opts.toolsets_per_sample)
+
+    def counted(self) -> Prepared:
+        """With the dataset checked (into a new `check`) and the plan counted, in one pass."""
+        check = dataset.DatasetCheck()
+        prepared = replace(self, check=check)
+        image = self.opts.docker_image if runs_images(self.opts.backend) else None
+        entries = dataset.read(str(self.opts.dataset_file), check, self.opts.max_samples)
+        return replace(prepared, plan=plan_module.count(prepared.tasks(entries), self.scan.next_batch, image))
 
 
 def main(opts: RunOptions) -> int:
@@ -125,25 +135,29 @@ def prepare(opts: RunOptions) -> Prepared:
     check_options(opts)
     api_key = _api_key(opts)
     prefill = _prefill(opts.prefill_messages_file)
-    check = _check_dataset(opts)
     run_dir = Path(opts.output_dir) / opts.run_name
-    manifest = opts.manifest({"path": opts.dataset_file, "fingerprint": check.fingerprint, "prompts": check.valid,
-                              "invalid_lines_skipped": check.error_count})
-    if not opts.dry_run:
-        store.lock_run_dir(run_dir)
-    fresh = opts.overwrite or not store.entries(run_dir)
-    scan = _prepare_run_dir(run_dir, opts)
+    existed = bool(store.entries(run_dir))
+    if opts.resume and not existed and not opts.overwrite:
+        raise UsageError(f"--resume: there is no run {run_dir} to continue (check --run_name and --output_dir, "
+                         "or leave out --resume to start it)")
+    scan, refused = _look_at_run_dir(run_dir, opts) if existed else (store.Scan(), None)
+    tools = opts.tool_settings(api_key)
+    unavailable_tools = registry.unavailable_tools(tools)
+    unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
+    prepared = Prepared(opts, run_dir, dataset.DatasetCheck(), {}, scan, opts.model_settings(api_key, prefill), tools,
+                        unavailable_tools, unavailable_sets, Plan(), opts.overwrite or not existed).counted()
+    _say_what_is_wrong_with(prepared.check, opts)
+    if refused:
+        raise refused
+    if not opts.dry_run and not existed:
+        prepared = _make_run_dir(prepared)
+    check, scan = prepared.check, prepared.scan
+    prepared = replace(prepared, manifest=opts.manifest({"path": opts.dataset_file, "fingerprint": check.fingerprint,
+                                                         "prompts": check.valid, "invalid_lines_skipped": check.error_count}))
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     for note in scan.notes:
         console.notice(note)
-    tools = opts.tool_settings(api_key)
-    unavailable_tools = registry.unavailable_tools(tools)
-    unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
-    prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan(), fresh)
-    prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
-                                                        opts.docker_image if runs_images(opts.backend) else None))
     _say_what_is_missing(prepared)
     for line in opts.request_extras()[2]:
         console.notice(f"sending {line}")
@@ -248,8 +262,8 @@ def _prefill(path: str | None) -> list[dict]:
     return messages
 
 
-def _check_dataset(opts: RunOptions) -> dataset.DatasetCheck:
-    check = dataset.check(opts.dataset_file, opts.max_samples)
+def _say_what_is_wrong_with(check: dataset.DatasetCheck, opts: RunOptions) -> None:
+    """Bad lines stop the run unless --skip_invalid; an empty dataset always does."""
     if check.error_count:
         shown = "\n  ".join(check.errors)
         more = f"\n  ... and {check.error_count - len(check.errors)} more" if check.error_count > len(check.errors) else ""
@@ -259,15 +273,30 @@ def _check_dataset(opts: RunOptions) -> dataset.DatasetCheck:
         console.notice(f"skipping {check.error_count} bad line(s):\n  {shown}{more}")
     if check.valid == 0:
         raise UsageError(f"{opts.dataset_file}: no prompts to run")
-    return check
+
+
+def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[store.Scan, UsageError | None]:
+    """An existing run directory, locked and scanned before the dataset is read, with a refusal to use
+    it kept for after the dataset's errors (a new one is made only once the dataset has passed)."""
+    try:
+        if not opts.dry_run:
+            store.lock_run_dir(run_dir)
+        return _prepare_run_dir(run_dir, opts), None
+    except UsageError as e:
+        return store.Scan(), e
+
+
+def _make_run_dir(prepared: Prepared) -> Prepared:
+    """Create and lock a new run directory; if another runner made it since we looked, look and count again."""
+    store.lock_run_dir(prepared.run_dir)
+    if not store.entries(prepared.run_dir):
+        return prepared
+    return replace(prepared, scan=_prepare_run_dir(prepared.run_dir, prepared.opts)).counted()
 
 
 def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
     exists = bool(store.entries(run_dir))
-    if opts.resume and not exists and not opts.overwrite:
-        raise UsageError(f"--resume: there is no run {run_dir} to continue (check --run_name and --output_dir, "
-                         "or leave out --resume to start it)")
     if exists and not opts.resume and not opts.overwrite:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts.overwrite:

@@ -28,7 +28,7 @@ from trajgen import locks
 from trajgen.errors import DiskFull, UsageError
 
 BATCH_FILE = re.compile(r"batch_(\d+)\.jsonl$")
-ROW_START = re.compile(rb'\{"prompt_index":\d+,"metadata":\{"prompt_key":"([^"\\]+)"')  # as agent.py writes a row
+ROW_START = re.compile(rb'\{"prompt_index":\d+,"metadata":\{"prompt_key":"([^"\\]+)"')  # as encode_row starts a row
 DISCARDED = "discarded.jsonl"
 FAILURES = "failures.jsonl"
 CHECKPOINT = "checkpoint.json"
@@ -151,6 +151,12 @@ def _parse(raw: bytes, path: Path, number: int, torn: list[str]) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def encode_row(row: dict) -> bytes:
+    """A row's line, which starts as ROW_START reads it back: prompt_index, then metadata with prompt_key first."""
+    head = {"prompt_index": row["prompt_index"], "metadata": {"prompt_key": row["metadata"]["prompt_key"], **row["metadata"]}}
+    return orjson.dumps({**head, **{k: v for k, v in row.items() if k not in head}})
+
+
 def _row_keys(path: Path, torn: list[str], settled: bool) -> Iterator[str]:
     """The keys of a batch file's rows. A settled file (fsynced, then listed by a checkpoint
     written after its last change) holds whole lines written by this module, so a line that
@@ -237,69 +243,54 @@ def _without(lines: bytes, landed: frozenset[str]) -> bytes:
     return b"".join(kept)
 
 
-class Writer:
-    """Appends rows and side records as whole lines. Batch files are opened on their first row;
-    when a batch ends, a background thread fsyncs and closes it and then writes the latest
-    checkpoint, so the scheduler never waits on the disk. The checkpoint lists the batch files
-    fsynced before it was written, so that resume can say which were deleted and read those it
-    can trust for their keys only. The same thread compacts the journal: the entries
-    of prompts that landed are dropped, so it holds only the replies of prompts in flight or failed."""
+class AppendFile:
+    """One file appended to in whole lines. A line torn by a kill or a full disk is followed by a
+    fresh line, so it never swallows the next record."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        size = os.fstat(self.fd).st_size
+        self.torn = bool(size) and os.pread(self.fd, 1, size - 1) != b"\n"
+        self.unsynced = False  # written since its last fsync
+
+    def append(self, record: dict | orjson.Fragment) -> None:
+        data = (b"\n" if self.torn else b"") + orjson.dumps(record) + b"\n"
+        self.torn = True
+        with writing(self.path):
+            while data:  # one write almost always; loop in case the kernel takes less
+                data = data[os.write(self.fd, data):]
+        self.torn = False
+        self.unsynced = True
+
+    def sync(self) -> None:
+        if self.unsynced:  # cleared first: a write meanwhile sets it again
+            self.unsynced = False
+            with writing(self.path):
+                os.fsync(self.fd)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class RowFiles:
+    """The batch files, opened on their first row and closed once fsynced at their batch's end, and
+    the side files (discarded, failures); `synced` holds the batch files known to be on disk."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.paths: dict[int, Path] = {}  # open file descriptor -> its file
-        self.torn: set[int] = set()  # descriptors whose file may end in a torn line
-        self.unsynced: set[int] = set()  # descriptors written since their last fsync
         # fsynced, and unchanged since: a crashed run's others never were, one edited by hand is no longer
         self.synced = settled(run_dir)
-        self.batches: dict[int, int] = {}  # batch number -> open file descriptor
-        self.side = {name: self._open(run_dir / name) for name in (DISCARDED, FAILURES)}
-        self._jobs: queue.Queue = queue.Queue()
-        self._checkpoint: dict | None = None  # the latest payload not yet written
-        self._checkpointed = -CHECKPOINT_SECONDS  # when the last one was written (time.monotonic)
-        self.journal_fd = self._open(run_dir / JOURNAL)
-        self._journal_lock = threading.Lock()  # appends wait while a compaction swaps the file
-        self.journaled: set[str] = set()  # prompts with entries in the journal (most that land have none)
-        self.landed: set[str] = set()  # of those, the ones whose entries can go at the next compaction
-        self._compacted_size = 0  # of the journal after the last compaction
-        if os.fstat(self.journal_fd).st_size:  # an earlier run may have died before compacting it
-            found = scan(run_dir)
-            self.landed, self.journaled = found.done, set(found.journal)
-            self._compact_later()
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
-        self._thread.start()
+        self.batches: dict[int, AppendFile] = {}
+        self.side = {name: AppendFile(run_dir / name) for name in (DISCARDED, FAILURES)}
 
-    def _open(self, path: Path) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        size = os.fstat(fd).st_size
-        self.torn.discard(fd)  # the number of a file closed earlier
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            self.torn.add(fd)
-        self.paths[fd] = path
-        return fd
-
-    def _append(self, fd: int, record: dict | orjson.Fragment) -> None:
-        if self._error:
-            raise self._error
-        data = (b"\n" if fd in self.torn else b"") + orjson.dumps(record) + b"\n"
-        self.torn.add(fd)
-        try:
-            with writing(self.paths[fd]):
-                while data:  # one write almost always; loop in case the kernel takes less
-                    data = data[os.write(fd, data):]
-        except DiskFull as e:  # the first full write is the one to report, whatever fails after it
-            self._error = e
-            raise
-        self.torn.discard(fd)
-        self.unsynced.add(fd)
-
-    def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
+    def row(self, batch_num: int, row: orjson.Fragment) -> None:
         if batch_num not in self.batches:
-            self.batches[batch_num] = self._open(self.run_dir / f"batch_{batch_num}.jsonl")
-        self._append(self.batches[batch_num], row)
-        self._landed(key)
+            self.batches[batch_num] = AppendFile(self.run_dir / f"batch_{batch_num}.jsonl")
+        self.batches[batch_num].append(row)
 
     def user_files(self, files: dict[str, bytes]) -> None:
         """Files a prompt's tools made, by path relative to the run directory, which they must stay in."""
@@ -310,30 +301,66 @@ class Writer:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, data)
 
-    def discarded(self, record: dict) -> None:
-        self._append(self.side[DISCARDED], record)
-        self._landed(record["prompt_key"])
+    def sync_side(self) -> None:
+        for file in self.side.values():
+            file.sync()
 
-    def _landed(self, key: str) -> None:
+    def finish(self, batch_num: int, file: AppendFile) -> None:
+        """fsync and close an ended batch's file (no more writes come to it)."""
+        with writing(file.path):
+            os.fsync(file.fd)
+        file.close()
+        self.synced.add(batch_num)
+
+    def close(self) -> None:
+        for file in self.side.values():
+            file.close()
+        self.side = {}
+
+
+class Journal:
+    """The replies of prompts not yet landed. Compaction drops the entries of prompts that landed,
+    so it holds only the replies of prompts in flight or failed."""
+
+    def __init__(self, run_dir: Path):
+        self.file = AppendFile(run_dir / JOURNAL)
+        self._lock = threading.Lock()  # appends wait while a compaction swaps the file
+        self.journaled: set[str] = set()  # prompts with entries in the journal (most that land have none)
+        self.landed: set[str] = set()  # of those, the ones whose entries can go at the next compaction
+        self._compacted_size = 0  # of the journal after the last compaction
+        if self.file.size():  # an earlier run may have died before compacting it
+            found = scan(run_dir)
+            self.landed, self.journaled = found.done, set(found.journal)
+
+    def append(self, entry: dict) -> None:
+        with self._lock:
+            self.file.append(entry)
+        self.journaled.add(entry["key"])
+
+    def land(self, key: str) -> None:
         if key in self.journaled:
             self.landed.add(key)
 
-    def journal(self, entry: dict) -> None:
-        with self._journal_lock:
-            self._append(self.journal_fd, entry)
-        self.journaled.add(entry["key"])
+    def take_landed(self) -> frozenset[str]:
+        """The landed prompts not yet handed to a compaction (their rows are written, maybe not fsynced)."""
+        landed = frozenset(self.landed)
+        self.journaled -= self.landed
+        self.landed = set()
+        return landed
 
-    def _compact_later(self) -> None:
-        """Queued after the rows of the landed prompts, so their entries go only once they are on disk."""
-        if self.landed:
-            self._jobs.put(("compact", frozenset(self.landed)))
-            self.journaled -= self.landed
-            self.landed = set()
+    def grown(self) -> bool:
+        """Compaction reads the whole journal: only once it doubled since the last one."""
+        with self._lock:  # a compaction may be swapping the file
+            size = self.file.size()
+        return size >= max(COMPACT_AT, 2 * self._compacted_size)
 
-    def _compact(self, landed: frozenset[str]) -> None:
+    def sync(self) -> None:
+        self.file.sync()
+
+    def compact(self, landed: frozenset[str]) -> None:
         """Rewrite the journal without the landed prompts' entries. Appends wait only while the
         few lines added during the rewrite are copied and the file is swapped."""
-        path = self.paths[self.journal_fd]
+        path = self.file.path
         with open(path, "rb") as f:
             data = f.read()
         done = data.rfind(b"\n") + 1  # whole lines only: an append may be under way
@@ -343,99 +370,152 @@ class Writer:
                 f.write(_without(data[:done], landed))
                 f.flush()
                 os.fsync(f.fileno())
-                with self._journal_lock:
-                    size = os.fstat(self.journal_fd).st_size
-                    f.write(_without(os.pread(self.journal_fd, size - done, done), landed))
+                with self._lock:
+                    f.write(_without(os.pread(self.file.fd, self.file.size() - done, done), landed))
                     f.flush()
                     os.fsync(f.fileno())
                     os.replace(tmp, path)
                     self._compacted_size = f.tell()
-                    old, self.journal_fd = self.journal_fd, self._open(path)
-                    self.unsynced.discard(old)  # the new file is fsynced; the old one's number may be reused
-                    os.close(old)
+                    old, self.file = self.file, AppendFile(path)  # fsynced already
+                    old.close()
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
 
+    def close(self) -> None:
+        self.file.close()
+
+
+class Checkpointer:
+    """The latest checkpoint, written at most once per CHECKPOINT_SECONDS; newer payloads replace
+    older unwritten ones. An older checkpoint after a crash costs the resume only time: the files
+    it does not list yet have their lines parsed."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._waiting: dict | None = None  # the latest payload not yet written
+        self._written = -CHECKPOINT_SECONDS  # when the last one was written (time.monotonic)
+
+    def offer(self, payload: dict) -> bool:
+        """Keep the payload; True if none was waiting (the writer's thread must be told)."""
+        with self._lock:
+            queued = self._waiting is not None
+            self._waiting = payload
+        return not queued
+
+    def due(self) -> float | None:
+        """Seconds until the waiting checkpoint may be written; None when none waits."""
+        if self._waiting is None:
+            return None
+        return max(0.0, self._written + CHECKPOINT_SECONDS - time.monotonic())
+
+    def write_waiting(self, batch_files: set[int]) -> None:
+        with self._lock:
+            payload, self._waiting = self._waiting, None
+        self.write(payload, batch_files)
+        self._written = time.monotonic()
+
+    def write(self, payload: dict, batch_files: set[int]) -> None:
+        """The checkpoint lists the batch files fsynced before it was written, so that resume can say
+        which were deleted and read those it can trust for their keys only."""
+        write_json(self.path, {**payload, "batch_files": sorted(batch_files)})
+
+
+class Writer:
+    """The run directory's one writer: rows, side records and journal entries are appended at once;
+    a background thread fsyncs and closes each batch when it ends, then compacts the journal and
+    writes the checkpoint, in that order, so the scheduler never waits on the disk."""
+
+    def __init__(self, run_dir: Path):
+        self.rows = RowFiles(run_dir)
+        self.replies = Journal(run_dir)
+        self.checkpoints = Checkpointer(run_dir / CHECKPOINT)
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None  # the first failure, raised at the next write or at close
+        self._compact_later()
+        self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
+        self._thread.start()
+
+    def _write(self, append, *args) -> None:
+        if self._error:
+            raise self._error
+        try:
+            append(*args)
+        except DiskFull as e:  # the first full write is the one to report, whatever fails after it
+            self._error = e
+            raise
+
+    def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
+        self._write(self.rows.row, batch_num, row)
+        self.replies.land(key)
+
+    def user_files(self, files: dict[str, bytes]) -> None:
+        self.rows.user_files(files)
+
+    def discarded(self, record: dict) -> None:
+        self._write(self.rows.side[DISCARDED].append, record)
+        self.replies.land(record["prompt_key"])
+
     def failed(self, record: dict) -> None:
-        self._append(self.side[FAILURES], record)
+        self._write(self.rows.side[FAILURES].append, record)
+
+    def journal(self, entry: dict) -> None:
+        self._write(self.replies.append, entry)
+
+    def _compact_later(self) -> None:
+        """Queued after the rows of the landed prompts, so their entries go only once they are on disk."""
+        if self.replies.landed:
+            self._jobs.put(("compact", self.replies.take_landed()))
 
     def end_batch(self, batch_num: int) -> None:
-        self._jobs.put((batch_num, self.batches.pop(batch_num, None)))
-        with self._journal_lock:  # a compaction may be swapping the journal's descriptor
-            size = os.fstat(self.journal_fd).st_size
-        if size >= max(COMPACT_AT, 2 * self._compacted_size):
-            self._compact_later()  # only once it doubled: compaction reads the whole journal
+        self._jobs.put((batch_num, self.rows.batches.pop(batch_num, None)))
+        if self.replies.grown():
+            self._compact_later()
 
     def checkpoint(self, payload: dict) -> None:
-        """Written after everything queued before it is on disk, at most once per CHECKPOINT_SECONDS;
-        newer payloads replace older unwritten ones. An older checkpoint after a crash costs the
-        resume only time: the files it does not list yet have their lines parsed."""
-        with self._lock:
-            queued = self._checkpoint is not None
-            self._checkpoint = payload
-        if not queued:
+        """Written after everything queued before it is on disk."""
+        if self.checkpoints.offer(payload):
             self._jobs.put("checkpoint")
-
-    def _checkpoint_due(self) -> float | None:
-        """Seconds until the waiting checkpoint may be written; None when none waits."""
-        if self._checkpoint is None:
-            return None
-        return max(0.0, self._checkpointed + CHECKPOINT_SECONDS - time.monotonic())
 
     def _sync_loop(self) -> None:
         while True:
             try:
-                job = self._jobs.get(timeout=self._checkpoint_due())
+                job = self._jobs.get(timeout=self.checkpoints.due())
             except queue.Empty:  # the waiting checkpoint is due
                 job = "checkpoint"
             if job == "stop":
                 return
             try:
                 if job == "checkpoint":
-                    if self._checkpoint_due():
-                        continue  # written when due: the queue's timeout
-                    with self._lock:
-                        payload, self._checkpoint = self._checkpoint, None
-                    self._write_checkpoint(payload)
-                    self._checkpointed = time.monotonic()
+                    if self.checkpoints.due() == 0:  # else written when due: the queue's timeout
+                        self.checkpoints.write_waiting(self.rows.synced)
                 elif job[0] == "compact":
-                    self._compact(job[1])
+                    self.replies.compact(job[1])
                 else:
-                    for fd in (*self.side.values(), self.journal_fd):
-                        if fd in self.unsynced:  # taken out first: a write meanwhile leaves it in again
-                            self.unsynced.discard(fd)
-                            with writing(self.paths[fd]):
-                                os.fsync(fd)
-                    batch_num, fd = job
-                    if fd is not None:
-                        self.unsynced.discard(fd)  # no more writes: the batch has ended
-                        with writing(self.paths[fd]):
-                            os.fsync(fd)
-                        os.close(fd)
-                        self.synced.add(batch_num)
-            except BaseException as e:  # surfaced to the scheduler at its next write or at close
+                    self.rows.sync_side()
+                    self.replies.sync()
+                    batch_num, file = job
+                    if file is not None:
+                        self.rows.finish(batch_num, file)
+            except BaseException as e:
                 self._error = self._error or e
-
-    def _write_checkpoint(self, payload: dict) -> None:
-        write_json(self.run_dir / CHECKPOINT, {**payload, "batch_files": sorted(self.synced)})
 
     def close(self, final_checkpoint: dict) -> None:
         """Flush everything; the final checkpoint is written last, after every batch is on disk
         (a checkpoint still queued may be ahead of the last batches)."""
-        for batch_num in list(self.batches):
+        for batch_num in list(self.rows.batches):
             self.end_batch(batch_num)
         self._compact_later()
         self._jobs.put((None, None))
         self._jobs.put("stop")
         self._thread.join()
         try:
-            self._write_checkpoint(final_checkpoint)
+            self.checkpoints.write(final_checkpoint, self.rows.synced)
         except BaseException as e:
             self._error = self._error or e
-        for fd in (*self.side.values(), self.journal_fd):
-            os.close(fd)
-        self.side = {}
+        self.rows.close()
+        self.replies.close()
         if self._error:
             raise self._error

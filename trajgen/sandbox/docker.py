@@ -1,4 +1,4 @@
-"""The `docker` backend: one container per prompt, driven through the Docker Engine API (docker_api.py).
+"""The `docker` backend: one container per prompt, driven through the Docker SDK for Python (docker_client.py).
 
 The container is the boundary: no network unless asked; CPU, memory and process limits; every
 capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
@@ -10,19 +10,17 @@ setsid or not: nothing a call starts outlives it. In an image with bash, a promp
 through one exec running the command loop (supervise.sh, as the local backend runs it), which
 empties /tmp after each; a timeout or a lost loop kills every process of the commands' user (PID 1
 and the files stay) and the next command starts a new loop. Other images get one exec per call.
-Every call is an exec through the Engine API, no `docker` process of its own; only pulls and the
-synchronous reaping run the CLI.
+Every call is an exec through the Engine API, no `docker` process of its own.
 """
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.docker_api import STDOUT, EngineError, call, docker_env, run_exec, start_exec
-from trajgen.sandbox.process import Capture, last_line, run_cli
+from trajgen.sandbox.docker_client import STDOUT, EngineError, call, pull, run_exec, start_exec, sync_call
+from trajgen.sandbox.process import Capture, last_line
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
 PULL_TIMEOUT = 900.0
@@ -85,7 +83,7 @@ class DockerSandbox:
             finally:
                 loop.close()
 
-        return Channel(loop, loop.writer, kill)
+        return Channel(loop, loop, kill)
 
     def _spec(self) -> dict:
         """What `docker run` would send for the container: the limits and labels above."""
@@ -106,8 +104,8 @@ class DockerSandbox:
 
     async def _start(self) -> str:
         async with _control(f"cannot start a container from image {self.image}"):
-            cid = (await call("POST", "/containers/create", self._spec()))["Id"]
-            await call("POST", f"/containers/{cid}/start")
+            cid = (await call("create_container_from_config", self._spec()))["Id"]
+            await call("start", cid)
         if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
             output = Capture()
             async with _control(f"cannot prepare {self.cwd} in image {self.image}"):
@@ -178,7 +176,7 @@ class DockerSandbox:
         if self._id is not None and not self.config.keep:
             try:
                 async with _control("cannot remove the container"):
-                    await call("DELETE", f"/containers/{self._id}", force="1")
+                    await call("remove_container", self._id, force=True)
             except SandboxError:  # gone already, or left to the run's cleanup, which removes by label
                 pass
             self._id = None
@@ -187,17 +185,17 @@ class DockerSandbox:
 
 
 @asynccontextmanager
-async def _control(what: str) -> AsyncIterator[None]:
-    """A call to the engine bounded by CONTROL_TIMEOUT; its failure one SandboxError line that starts with `what`."""
+async def _control(what: str, timeout: float = CONTROL_TIMEOUT) -> AsyncIterator[None]:
+    """A call to the engine bounded by `timeout`; its failure one SandboxError line that starts with `what`."""
     try:
-        async with asyncio.timeout(CONTROL_TIMEOUT):
+        async with asyncio.timeout(timeout):
             yield
     except BackendUnreachable:  # says all by itself, and must stay what it is
         raise
     except SandboxError as e:
         raise SandboxError(f"{what}: {e}") from None
     except TimeoutError:
-        raise SandboxError(f"{what}: the Docker engine did not answer within {CONTROL_TIMEOUT:g} s") from None
+        raise SandboxError(f"{what}: the Docker engine did not answer within {timeout:g} s") from None
 
 
 def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | None) -> DockerSandbox:
@@ -205,34 +203,28 @@ def open_docker(config: SandboxConfig, key: str, image: str | None, cwd: str | N
 
 
 async def check_image(image: str, config: SandboxConfig) -> str | None:
-    """None if the image is local or could be pulled (by the CLI: registry logins live there), else a one-line reason."""
+    """None if the image is local or could be pulled (with the CLI's registry logins), else a one-line reason."""
     try:
         async with _control(f"cannot inspect image {image}"):
             try:
-                await call("GET", f"/images/{image}/json")
+                await call("inspect_image", image)
                 return None
             except EngineError as e:
                 if e.status != 404:
                     raise
+        async with _control(f"image {image} is not available locally and pulling it failed", PULL_TIMEOUT):
+            await pull(image)
     except BackendUnreachable:
         raise
     except SandboxError as e:
         return str(e)
-    try:
-        code, _, err = await run_cli(["docker", "pull", "--quiet", image], docker_env(), PULL_TIMEOUT)
-    except SandboxError as e:
-        return str(e)
-    return None if code == 0 else f"image {image} is not available locally and pulling it failed: {last_line(err)}"
+    return None
 
 
 def remove_containers(tag: str, value: str) -> None:
-    """Force-remove every container labelled <tag>=<value>; quiet when docker is absent."""
+    """Force-remove every container labelled <tag>=<value>; quiet when there is no engine."""
     try:
-        listed = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label={tag}={value}"],
-            capture_output=True, text=True, timeout=CONTROL_TIMEOUT, env=docker_env(),
-        )
-        if ids := listed.stdout.split():
-            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, timeout=CONTROL_TIMEOUT, env=docker_env())
-    except (OSError, subprocess.TimeoutExpired):
+        for container in sync_call("containers", all=True, quiet=True, filters={"label": f"{tag}={value}"}):
+            sync_call("remove_container", container["Id"], force=True)
+    except SandboxError:
         pass
