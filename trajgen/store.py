@@ -272,7 +272,7 @@ class Writer:
         self._thread.start()
 
     def _open(self, path: Path) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)  # rows may hold what users keep private
         size = os.fstat(fd).st_size
         self.torn.discard(fd)  # the number of a file closed earlier
         if size and os.pread(fd, 1, size - 1) != b"\n":

@@ -68,6 +68,10 @@ class Sandbox(Protocol):
 
     async def write_file(self, path: str, data: bytes) -> None: ...
 
+    async def end_processes(self) -> None:
+        """Kill every process the prompt's commands may have left; the files stay."""
+        ...
+
     async def close(self) -> None: ...
 
 

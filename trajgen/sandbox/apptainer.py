@@ -142,12 +142,14 @@ class ApptainerSandbox:
         await self._instance()
         c = self.config
 
-        async def kill_all() -> None:  # killing the CLI leaves the command running inside
-            await run_cli(self._exec("sh", "-c", "kill -9 -1"), runtime_env(), CONTROL_TIMEOUT)
-
         argv = self._exec("sh", "-c", LIMITED_CALL, "sh", command, str(c.cpu_seconds), str(c.file_size_mb << 11),
                           str(c.memory_mb << 10))
-        return await run_process(argv, timeout, runtime_env(), on_timeout=kill_all)
+        return await run_process(argv, timeout, runtime_env(), on_timeout=self.end_processes)
+
+    async def end_processes(self) -> None:
+        """Killing the CLI would leave a command running inside: it is killed from inside."""
+        if self._started:
+            await run_cli(self._exec("sh", "-c", "kill -9 -1"), runtime_env(), CONTROL_TIMEOUT)
 
     async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
         await self._instance()

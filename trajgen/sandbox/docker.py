@@ -174,6 +174,12 @@ class DockerSandbox:
         if code != 0:
             raise SandboxError(f"cannot write {path}: {last_line(errors.text())}")
 
+    async def end_processes(self) -> None:
+        if self._loop is not None:
+            await self._loop.stop()
+        elif self._id is not None:
+            await self._kill_all(self._id)
+
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
             try:

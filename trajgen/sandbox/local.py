@@ -34,6 +34,7 @@ from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, pro
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
+NEW_PRIVILEGES_OFF = ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # setpriv's last options
 # moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
 ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
@@ -63,7 +64,7 @@ def _under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def _system_binds() -> list[str]:
+def bwrap_system_binds() -> list[str]:
     """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
@@ -98,7 +99,7 @@ def _identity(uid: int) -> tuple[list[str], list[str]]:
     if os.geteuid() == 0:
         loop = roots.loop_uid(uid)
         setpriv = ["setpriv", f"--ruid={loop}", f"--euid={uid}", f"--rgid={loop}", f"--egid={uid}", "--clear-groups"]
-        return [], [*setpriv, "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]
+        return [], [*setpriv, *NEW_PRIVILEGES_OFF]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
 
 
@@ -113,7 +114,7 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
     the sandbox's own (roots.mount_devpts) over bwrap's, whose PTYs count against the machine's."""
     identity, as_uid = _identity(uid)
     options = [
-        *_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+        *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
         "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
         "--bind", host_dir, cwd, "--chdir", cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
@@ -215,6 +216,10 @@ class LocalSandbox:
 
     async def write_file(self, path: str, data: bytes) -> None:
         await asyncio.to_thread(self.files.write, path, data)
+
+    async def end_processes(self) -> None:
+        if self._supervisor:  # the whole PID namespace, its loop included; the next command starts a new one
+            await self._supervisor.stop()
 
     async def close(self) -> None:
         if self._supervisor:
