@@ -13,6 +13,7 @@ import asyncio
 import errno
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI, call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.conftest import CLI, call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_browser_tools import LAUNCH_PROBLEM, LOOPBACK_ONLY
+from tests.test_web_tools import local_site  # noqa: F401  (fixture)
 from trajgen.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
@@ -481,3 +484,76 @@ print("flipped")
     assert result.output.endswith("flipped\n")
     assert written + refused > 100
     assert list(victim.iterdir()) == [] and victim.stat().st_uid == 0
+
+
+# --- the browser: its uid must not reach root, nor the runner's secrets ---
+
+CANARY = "sk-or-canary-4242"  # the runner's API key, for this test
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (the CLI's own tree: its workers, their drivers, their browsers)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except OSError:
+            continue
+        found += children
+        todo += children
+    return found
+
+
+def _chromium(pid: int) -> dict[int, tuple[int, bytes]]:
+    """The run's Chromium processes: pid -> (uid, environment)."""
+    found = {}
+    for child in _descendants(pid):
+        try:
+            if b"chrom" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]:
+                found[child] = (Path(f"/proc/{child}").stat().st_uid, Path(f"/proc/{child}/environ").read_bytes())
+        except OSError:
+            continue
+    return found
+
+
+@ROOT_ONLY
+@pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser needs chromium: {LAUNCH_PROBLEM}")
+def test_the_browser_uid_cannot_swap_its_launcher_nor_read_the_runners_key(cli, scripted_server, local_site, tmp_path):
+    """Acting as Chromium's uid mid-run: replace every launcher root runs, kill the browser; the next
+    navigation starts it again, and nothing of the uid's may have run as root. No Chromium process
+    has the runner's key in its environment."""
+    site = local_site.url
+    server = scripted_server({"prompts": {"browse": [
+        call("browser_navigate", url=site + "/"), {**call("browser_navigate", url=site + "/form"), "delay": 8},
+        think()]}})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "browse"}])
+    cli.env.update(OPENROUTER_API_KEY=CANARY, TRAJGEN_CHROMIUM_ARGS=LOOPBACK_ONLY)
+    process = cli.start(*cli.args(server, distribution="browser_only", allow_private_urls=True, api_key=None))
+    try:
+        deadline = time.monotonic() + 60  # the first page is open once the model is asked again (8 s to answer)
+        while len(server.requests()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        browsers = _chromium(process.pid)
+        assert browsers, "no Chromium started"
+        uid = min(uid for uid, _ in browsers.values())
+        home = next((e.split(b"=", 1)[1].decode() for _, env in browsers.values() for e in env.split(b"\0")
+                     if e.startswith(b"HOME=")), "/nonexistent")
+        swapped = tmp_path / "swapped"
+        swapped.mkdir(mode=0o777)
+        swapped.chmod(0o777)
+        evil = f"#!/bin/sh\nid -u > {swapped}/ran-as\n"
+        launchers = [f"{home}/chromium-as-user", f"/run/trajgen/chromium-{uid}"]  # before and after issue 33
+        attack = " ".join(f"([ -f {q} ] && rm -f {q} && printf %s {shlex.quote(evil)} > {q} && chmod 755 {q} && echo swapped);"
+                          for q in map(shlex.quote, launchers))
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c"]
+        swaps = subprocess.run([*as_uid, attack + " kill -9 -1"], capture_output=True, text=True)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    assert uid != 0 and all(CANARY.encode() not in env for _, env in browsers.values())
+    assert "swapped" not in swaps.stdout, swaps.stdout
+    assert not (swapped / "ran-as").exists()
+    first, second = tool_outputs(_rows(cli, "run")["browse"])
+    assert first["success"] is True and second["success"] is True and second["url"] == site + "/form", (second, err)
