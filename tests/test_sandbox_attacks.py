@@ -31,7 +31,7 @@ from trajgen.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
 from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.roots import new_root_dir
+from trajgen.sandbox.roots import UID_BASE, UID_COUNT, new_root_dir
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -411,15 +411,16 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
 # --- docker: what one terminal call leaves behind, and what a command may do ---
 
 
-def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scripted_server, docker_engine,
-                                                                       busybox_image):
+def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_per_prompt(
+        cli, scripted_server, docker_engine, busybox_image):
     server = scripted_server({"prompts": {
         "leave a process": [call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; "
                                                      "echo started"),
                             call("terminal", command="ps -o args | grep -c '[s]leep 4'; id -u; grep Cap /proc/self/status; "
-                                                     "chown 0 . 2>/dev/null; echo chown=$?; touch /etc/x 2>/dev/null; echo etc=$?"),
+                                                     "chown 0 . 2>/dev/null; echo chown=$?; touch /etc/x 2>/dev/null; echo etc=$?; "
+                                                     "echo files=$(ulimit -n); nc 127.0.0.1 9 </dev/null 2>&1"),
                             think()],
-        "neighbour": [call("terminal", command="echo fine > f && cat f"), think()],
+        "neighbour": [call("terminal", command="echo fine > f && cat f && id -u"), think()],
     }})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
                                             {"prompt": "neighbour", "image": busybox_image}])
@@ -429,12 +430,16 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scri
     started, probe = tool_outputs(rows["leave a process"])
     assert started["output"] == "started\n"
     lines = probe["output"].splitlines()  # stdout only: its order against stderr is not kept across docker exec
-    assert lines[:2] == ["0", "65534"], probe  # no sleep survived its call; commands run as uid 65534
+    uid = int(lines[1])
+    assert lines[0] == "0" and UID_BASE <= uid < UID_BASE + UID_COUNT, probe  # no sleep survived its call
     caps = dict(line.split(":\t") for line in lines if line.startswith("Cap"))
     assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
     assert int(caps["CapBnd"], 16) & (1 << 21) == 0  # CAP_SYS_ADMIN is not even in the bounding set
     assert "chown=1" in lines and "etc=1" in lines
-    assert tool_outputs(rows["neighbour"])[0]["output"] == "fine\n"
+    assert f"files={shares.open_files(CONCURRENCY, SandboxConfig().max_processes)}" in lines
+    assert "Address family not supported by protocol" in probe["output"]  # the seccomp filter: AF_UNIX only
+    fine, neighbour_uid = tool_outputs(rows["neighbour"])[0]["output"].splitlines()
+    assert fine == "fine" and UID_BASE <= int(neighbour_uid) < UID_BASE + UID_COUNT and int(neighbour_uid) != uid
 
 
 # --- the write race: a link swapped in while write_file works ---

@@ -12,8 +12,9 @@ LANG, TERM and PYTHONUNBUFFERED cross into the instance, as APPTAINERENV_ variab
 
 Limits: CPU seconds, file size and data size per process (ulimit in every call's shell) always;
 memory, processes and CPUs per instance (cgroups) only when the runner is root, since Apptainer
-run by a user needs cgroups v2 with systemd delegation for them. Run as root, commands run as uid
-65534 (`--security uid:65534,gid:65534`) in a work dir that is a tmpfs of --sandbox_disk MB; run
+run by a user needs cgroups v2 with systemd delegation for them. Run as root, commands run as a
+uid of their own per prompt (roots.take_uid, `--security uid:N,gid:N`: per-uid limits such as
+inotify instances are then per prompt) in a work dir that is a tmpfs of --sandbox_disk MB; run
 as a user (the usual case on a cluster), they run as that user inside the instance's namespaces.
 The instance's name carries the run id and session label, so `remove` finds every instance of a
 run or a session with `instance list --json`.
@@ -41,7 +42,6 @@ BUILD_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # instance start / stop / list
 DEFAULT_CACHE = "~/.cache/trajgen/sif"
 NAME_PREFIX = "trajgen"  # instance names: trajgen-<run id>-<session label>-<prompt part>
-NOBODY = 65534
 PASSED = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}  # what docker sets, nothing more
 # per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB)
 LIMITED_CALL = 'ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; ' + ONE_CALL
@@ -105,6 +105,7 @@ class ApptainerSandbox:
         self.host_dir: str | None = None
         self._started = False
         self._lock = asyncio.Lock()
+        self._uid: tuple[int, int] | None = None  # (the commands' uid, the fd holding it), as root
 
     async def _instance(self) -> str:
         async with self._lock:
@@ -121,8 +122,10 @@ class ApptainerSandbox:
             raise SandboxError("no sandbox root: SandboxConfig.root_dir must be set (roots.new_root_dir)")
         root = os.geteuid() == 0
         try:  # as root a sized tmpfs owned by the commands' uid; a kept one must outlive the run as a plain dir
+            if root and self._uid is None:
+                self._uid = await asyncio.to_thread(roots.take_uid)
             self.host_dir = await asyncio.to_thread(roots.new_work_dir, c.root_dir, self.key, c.disk_mb,
-                                                    NOBODY if root else None, root and not c.keep)
+                                                    self._uid[0] if root else None, root and not c.keep)
         except (OSError, ValueError) as e:
             raise SandboxError(f"cannot prepare the sandbox of {self.key}: {getattr(e, 'strerror', None) or e}") from e
         limits = ["--memory", f"{c.memory_mb}M", "--pids-limit", str(c.max_processes), "--cpus", f"{c.cpus:g}"]
@@ -135,7 +138,7 @@ class ApptainerSandbox:
             raise SandboxError(f"cannot start an instance of image {self.image}: {last_line(err)}")
 
     def _exec(self, *argv: str) -> list[str]:
-        user = ["--security", f"uid:{NOBODY},gid:{NOBODY}"] if os.geteuid() == 0 else []
+        user = ["--security", f"uid:{self._uid[0]},gid:{self._uid[0]}"] if self._uid else []
         return [runtime(), "exec", *user, "--pwd", self.cwd, f"instance://{self.name}", *argv]
 
     async def run(self, command: str, timeout: float) -> ExecResult:
@@ -165,14 +168,16 @@ class ApptainerSandbox:
             raise SandboxError(f"cannot write {path}: {last_line(err)}")
 
     async def close(self) -> None:
-        if self.config.keep:
-            return
-        if self._started:
-            await run_cli([runtime(), "instance", "stop", self.name], runtime_env(), CONTROL_TIMEOUT)
-            self._started = False
-        if self.host_dir:
-            await asyncio.to_thread(roots.remove_work_dir, self.host_dir)
-            self.host_dir = None
+        if not self.config.keep:  # a kept instance keeps running as its uid, which a later sandbox may be given
+            if self._started:
+                await run_cli([runtime(), "instance", "stop", self.name], runtime_env(), CONTROL_TIMEOUT)
+                self._started = False
+            if self.host_dir:
+                await asyncio.to_thread(roots.remove_work_dir, self.host_dir)
+                self.host_dir = None
+        if self._uid is not None:
+            locks.release(self._uid[1])
+            self._uid = None
 
 
 def _mount_point(cwd: str | None) -> str:

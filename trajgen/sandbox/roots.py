@@ -179,10 +179,11 @@ def loop_uid(uid: int) -> int:
 
 def take_uid() -> tuple[int, int]:
     """(a uid no live sandbox on this machine has, the fd holding it): give the fd to `release`."""
-    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    held = UID_LOCKS if os.geteuid() == 0 else private_base() / "uids"  # a user's: for its containers' uids
+    held.mkdir(mode=0o700, exist_ok=True)
     for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: few lock files ever exist
         try:
-            return uid, locks.acquire(UID_LOCKS / str(uid))
+            return uid, locks.acquire(held / str(uid))
         except locks.LockHeld:
             continue
     raise OSError("every uid of the sandbox range is in use")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import json
 import os
 
 DENIED = (
@@ -95,6 +96,22 @@ def program(network: bool) -> bytes:
             os.close(fd)
     finally:
         lib.seccomp_release(ctx)
+
+
+def docker_profile(network: bool) -> str:
+    """The same filter as a Docker seccomp profile (`--security-opt seccomp=<this JSON>`)."""
+    def rule(names: list[str], code: int, *args: dict) -> dict:
+        return {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": code, **({"args": list(args)} if args else {})}
+
+    def arg(op: str, value: int, second: int = 0) -> dict:
+        return {"index": 0, "value": value, "valueTwo": second, "op": op}
+
+    family = arg("SCMP_CMP_EQ", AF_VSOCK) if network else arg("SCMP_CMP_NE", AF_UNIX)
+    rules = [rule(list(DENIED), errno.EPERM), rule(["clone3"], errno.ENOSYS),
+             *(rule(["clone"], errno.EPERM, arg("SCMP_CMP_MASKED_EQ", flag, flag)) for flag in CLONE_NEW),
+             rule(["personality"], errno.EPERM, arg("SCMP_CMP_NE", PERSONALITY_QUERY)),
+             rule(list(SOCKET_CALLS), errno.EAFNOSUPPORT, family)]
+    return json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules})
 
 
 def memfd(data: bytes, name: str) -> int:
