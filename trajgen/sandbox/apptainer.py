@@ -10,7 +10,8 @@ with docker: the instance's own PID 1 survives it, nothing the call started does
 CLI gets an environment built from scratch (its own configuration variables, no API key), and only
 LANG, TERM and PYTHONUNBUFFERED cross into the instance, as APPTAINERENV_ variables.
 
-Limits: CPU seconds, file size and data size per process (ulimit in every call's shell) always;
+Limits: CPU seconds, file size, data size and open files (its share of the machine's file table,
+shares.py) per process (ulimit in every call's shell) always;
 memory, processes and CPUs per instance (cgroups) only when the runner is root, since Apptainer
 run by a user needs cgroups v2 with systemd delegation for them. Run as root, commands run as a
 uid of their own per prompt (roots.take_uid, `--security uid:N,gid:N`: per-uid limits such as
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, roots
+from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, roots, shares
 from trajgen.sandbox.docker import ONE_CALL, READ, WRITE
 from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
 
@@ -43,8 +44,9 @@ CONTROL_TIMEOUT = 120.0  # instance start / stop / list
 DEFAULT_CACHE = "~/.cache/trajgen/sif"
 NAME_PREFIX = "trajgen"  # instance names: trajgen-<run id>-<session label>-<prompt part>
 PASSED = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}  # what docker sets, nothing more
-# per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB)
-LIMITED_CALL = 'ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; ' + ONE_CALL
+# per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB, $5 open files)
+LIMITED_CALL = ('ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; '
+                'ulimit -n "$5" 2>/dev/null; ' + ONE_CALL)
 
 
 @functools.cache
@@ -146,7 +148,7 @@ class ApptainerSandbox:
         c = self.config
 
         argv = self._exec("sh", "-c", LIMITED_CALL, "sh", command, str(c.cpu_seconds), str(c.file_size_mb << 11),
-                          str(c.memory_mb << 10))
+                          str(c.memory_mb << 10), str(shares.open_files(c.slots, c.max_processes)))
         return await run_process(argv, timeout, runtime_env(), on_timeout=self.end_processes)
 
     async def end_processes(self) -> None:
