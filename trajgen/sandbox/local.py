@@ -2,9 +2,11 @@
 
 Only system dirs are visible (read-only); the work dir is the one writable place, with a sized
 private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespaces, a scrubbed
-environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbox has its own uid
-(roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir that is a
-tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of the work
+environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
+filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
+memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs,
+and a work dir that is a tmpfs of a fixed size; its command loop has a real uid of its own, out of
+its commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the work
 dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
 command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
 each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,

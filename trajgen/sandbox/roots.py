@@ -1,11 +1,13 @@
 """Where local sandboxes live on the host: one root directory per run, one work dir per prompt,
 and the identities their commands run as.
 
-A runner holds a lock file beside its root for its whole life (trajgen/locks.py); the kernel drops
-the lock when the runner dies, however it dies. So a root whose lock nobody holds is stale, and
-any later run removes it, whatever pid namespace either runner lives in. Each live sandbox of a
-root runner takes its own uid from a reserved range, also by lock, so no two live sandboxes on
-the machine share a keyring, a process limit or the right to signal each other.
+Roots and their locks live in a private base (private_base: /run/trajgen for root), never in
+world-writable /tmp: root unmounts and deletes what is there. A runner holds a lock file beside
+its root for its whole life (trajgen/locks.py); the kernel drops the lock when the runner dies,
+however it dies. So a root whose lock nobody holds is stale, and any later run removes it,
+whatever pid namespace either runner lives in. Each live sandbox of a root runner takes its own
+uid from a reserved range, also by lock, so no two live sandboxes on the machine share a keyring,
+a process limit or the right to signal each other.
 """
 from __future__ import annotations
 
