@@ -5,9 +5,9 @@ private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespac
 environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
 filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
 memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs,
-and a work dir that is a tmpfs of a fixed size; its command loop has a real uid of its own, out of
-its commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the work
-dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
+and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
+commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
+work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
 command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
 each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,
 and nothing of it left running afterwards. When a PID namespace's first process dies the kernel
@@ -92,22 +92,18 @@ def _identity(uid: int) -> tuple[list[str], list[str]]:
 
     As root, a user namespace would map the uid onto host root, which owns /etc/shadow and can
     read it; so bwrap stays in the host user namespace and setpriv really becomes the uid, with no
-    capabilities and no way back through a setuid binary. The loop's real uid is another one
-    (loop_uid): a process whose real and effective uids differ is not dumpable, so the commands,
-    which run as `uid` alone (command_prefix), cannot read or write its memory through /proc nor
-    learn the marker that ends their output. Unprivileged, a user namespace maps our own uid to
-    nobody, and the loop and its commands share it.
+    capabilities and no way back through a setuid binary. The command loop is started with
+    another effective uid (roots.loop_uid), which bash drops for `uid` at once: a process started
+    with differing real and effective uids, or that changes its effective uid, is not dumpable, so
+    no command can read or write the loop's memory through /proc nor learn the marker that ends
+    its output. Each command's exec makes it an ordinary (dumpable) process of `uid` again.
+    Unprivileged, a user namespace maps our own uid to nobody, and the loop is dumpable.
     """
     if os.geteuid() == 0:
         loop = roots.loop_uid(uid)
-        setpriv = ["setpriv", f"--ruid={loop}", f"--euid={uid}", f"--rgid={loop}", f"--egid={uid}", "--clear-groups"]
+        setpriv = ["setpriv", f"--ruid={uid}", f"--euid={loop}", f"--rgid={uid}", f"--egid={loop}", "--clear-groups"]
         return [], [*setpriv, *NEW_PRIVILEGES_OFF]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
-
-
-def command_prefix(uid: int) -> list[str]:
-    """What each command of the loop runs under: the sandbox's uid as its real uid too (as root)."""
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--keep-groups", "--"] if os.geteuid() == 0 else []
 
 
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
@@ -189,7 +185,7 @@ class LocalSandbox:
 
     async def _start(self) -> Channel:
         """The shell that joins the cgroup, then bwrap running the command loop with the limits for each command."""
-        loop = [*LOOP_ARGV, *ulimit_args(self.config), "--", *command_prefix(self.uid)]
+        loop = [*LOOP_ARGV, *ulimit_args(self.config)]
         argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop,
                                self._pts)
         if self._group:

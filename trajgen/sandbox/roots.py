@@ -175,7 +175,7 @@ def new_devpts(root: str, key: str, max_ptys: int) -> str:
 
 
 def loop_uid(uid: int) -> int:
-    """The real uid of the command loop of the sandbox whose commands run as `uid`: none of theirs."""
+    """The effective uid the command loop of the sandbox whose commands run as `uid` starts with: none of theirs."""
     return uid + UID_COUNT
 
 

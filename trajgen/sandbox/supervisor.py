@@ -22,8 +22,7 @@ from typing import Awaitable, Callable, Protocol
 from trajgen.sandbox import ExecResult, SandboxError
 from trajgen.sandbox.process import Capture, kill_children, kill_group
 
-# -p: a loop whose real and effective uids differ (local.py, as root) keeps them so
-LOOP_ARGV = ["bash", "--noprofile", "--norc", "-p", "-c", Path(__file__).with_name("supervise.sh").read_text(), "supervise"]
+LOOP_ARGV = ["bash", "--noprofile", "--norc", "-c", Path(__file__).with_name("supervise.sh").read_text(), "supervise"]
 LOST = "the sandbox stopped unexpectedly; its processes were killed"
 CHUNK = 65536
 REAP_SECONDS = 5.0  # for bwrap to exit once its child, the sandbox's init, is killed; then its group is killed
