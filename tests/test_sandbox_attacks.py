@@ -548,7 +548,7 @@ def test_the_browser_uid_cannot_swap_its_launcher_nor_read_the_runners_key(cli, 
         swapped.mkdir(mode=0o777)
         swapped.chmod(0o777)
         evil = f"#!/bin/sh\nid -u > {swapped}/ran-as\n"
-        launchers = [f"{home}/chromium-as-user", f"/run/trajgen/chromium-{uid}"]  # before and after issue 33
+        launchers = [f"{home}/chromium-as-user", *map(str, Path("/run/trajgen").glob("*/chromium"))]  # before, after
         attack = " ".join(f"([ -f {q} ] && rm -f {q} && printf %s {shlex.quote(evil)} > {q} && chmod 755 {q} && echo swapped);"
                           for q in map(shlex.quote, launchers))
         as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c"]

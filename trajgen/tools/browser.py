@@ -84,25 +84,27 @@ class _Shared:
 
 class _User:
     """Who Chromium runs as when the runner is root: a uid of the sandbox range, held while the
-    worker lives. `launcher`, which root runs, is root's own file in root's private directory
-    (roots.private_base); it starts Chromium in a bubblewrap sandbox of its own (system dirs
+    worker lives. `launcher`, which root runs, is root's own file in a sandbox root of its own
+    (roots.new_root_dir: under root's private directory, swept by a later run if this worker is
+    killed); it starts Chromium in a bubblewrap sandbox of its own (system dirs
     read-only, a private /tmp holding the profile and HOME, its own PID and IPC namespaces) and
     drops to the uid there, so Chromium's own sandbox can stay on."""
 
     def __init__(self, chromium: str) -> None:
         self.uid, self._lock = roots.take_uid()
-        self.launcher = roots.private_base() / f"chromium-{self.uid}"
+        self.root = roots.new_root_dir()
+        self.launcher = os.path.join(self.root, "chromium")
         sandbox = [*bwrap_system_binds(), "--size", str(BROWSER_TMP_MB << 20), "--perms", "1777", "--tmpfs", "/tmp",
                    "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
                    "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent"]
         as_uid = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *NEW_PRIVILEGES_OFF]
-        partial = self.launcher.with_name(f"{self.launcher.name}.{os.getpid()}")
-        partial.write_text(LAUNCHER.format(bwrap=shlex.join(["bwrap", *sandbox]), chromium=shlex.join([*as_uid, chromium])))
-        partial.chmod(0o700)
-        partial.replace(self.launcher)
+        fd = os.open(self.launcher, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o700)
+        with os.fdopen(fd, "w") as f:
+            f.write(LAUNCHER.format(bwrap=shlex.join(["bwrap", *sandbox]), chromium=shlex.join([*as_uid, chromium])))
 
     def close(self) -> None:
-        self.launcher.unlink(missing_ok=True)
+        roots.remove_root(self.root)
+        roots.release_root(self.root)
         locks.release(self._lock)
 
 
