@@ -418,7 +418,9 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_
                                                      "echo started"),
                             call("terminal", command="ps -o args | grep -c '[s]leep 4'; id -u; grep Cap /proc/self/status; "
                                                      "chown 0 . 2>/dev/null; echo chown=$?; touch /etc/x 2>/dev/null; echo etc=$?; "
-                                                     "echo files=$(ulimit -n); nc 127.0.0.1 9 </dev/null 2>&1"),
+                                                     "echo files=$(ulimit -n); nc 127.0.0.1 9 </dev/null 2>&1; "
+                                                     "for i in $(seq 250); do sleep 3 3<>/dev/ptmx 2>/dev/null & done; "
+                                                     "sleep 1; echo ptys=$(($(ls /dev/pts | wc -l) - 1))"),
                             think()],
         "neighbour": [call("terminal", command="echo fine > f && cat f && id -u"), think()],
     }})
@@ -438,6 +440,7 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_
     assert "chown=1" in lines and "etc=1" in lines
     assert f"files={shares.open_files(CONCURRENCY, SandboxConfig().max_processes)}" in lines
     assert "Address family not supported by protocol" in probe["output"]  # the seccomp filter: AF_UNIX only
+    assert f"ptys={shares.ptys(CONCURRENCY)}" in lines  # of 250 asked for, with a devpts instance of its own
     fine, neighbour_uid = tool_outputs(rows["neighbour"])[0]["output"].splitlines()
     assert fine == "fine" and UID_BASE <= int(neighbour_uid) < UID_BASE + UID_COUNT and int(neighbour_uid) != uid
 

@@ -6,7 +6,8 @@ filter in place of Docker's default one (seccomp.docker_profile: AIO, io_uring, 
 namespaces and every socket family but AF_UNIX denied with the network off); every capability
 dropped but the few a root shell needs, no-new-privileges, and commands run as a uid of their own
 (roots.take_uid: per-uid limits such as inotify instances are then per prompt, as in the local
-backend) unless `docker_root`; a session label so `cleanup` can find every container an invocation
+backend) unless `docker_root`; a root runner whose engine is on this machine binds a devpts
+instance with the container's share of the machine's PTYs at /dev/pts (roots.new_devpts); a session label so `cleanup` can find every container an invocation
 (or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
 with -9 left. PID 1 is a tiny root shell that reaps orphans and survives `kill -9 -1`,
 which is how every terminal call ends, on time or not, together with everything it started,
@@ -20,6 +21,7 @@ synchronous reaping run the CLI.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -62,6 +64,7 @@ class DockerSandbox:
         self._lock = asyncio.Lock()
         self._loop: Supervisor | None = None  # set at the container's start if the image has bash
         self._uid: tuple[int, int] | None = None  # (the commands' uid, the fd holding it) once started
+        self._pts: str | None = None  # the host's devpts instance bound at /dev/pts, when it has one
 
     async def _container(self) -> str:
         async with self._lock:
@@ -96,6 +99,7 @@ class DockerSandbox:
         """What `docker run` would send for the container: the limits and labels above."""
         c = self.config
         files = shares.open_files(c.slots, c.max_processes)
+        mounts = [{"Type": "bind", "Source": self._pts, "Target": "/dev/pts"}] if self._pts else []
         return {
             "Image": self.image, "Entrypoint": ["sh"], "Cmd": ["-c", REAPER], "WorkingDir": self.cwd,
             "Env": ["LANG=C.UTF-8", "TERM=dumb", "PYTHONUNBUFFERED=1"],
@@ -108,7 +112,7 @@ class DockerSandbox:
                             {"Name": "nofile", "Soft": files, "Hard": files}],
                 "CapDrop": ["ALL"], "CapAdd": list(SHELL_CAPS),
                 "SecurityOpt": ["no-new-privileges", f"seccomp={seccomp.docker_profile(c.network)}"],
-                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"},
+                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"}, "Mounts": mounts,
             },
         }
 
@@ -118,6 +122,12 @@ class DockerSandbox:
                 self._uid = await asyncio.to_thread(roots.take_uid)
             except OSError as e:
                 raise SandboxError(f"cannot take a uid for the sandbox of {self.key}: {e.strerror or e}") from e
+        if _engine_is_local() and self.config.root_dir:
+            try:
+                self._pts = await asyncio.to_thread(roots.new_devpts, self.config.root_dir, self.key,
+                                                    shares.ptys(self.config.slots))
+            except (OSError, ValueError) as e:
+                raise SandboxError(f"cannot prepare the PTYs of {self.key}: {getattr(e, 'strerror', None) or e}") from e
         async with _control(f"cannot start a container from image {self.image}"):
             cid = (await call("POST", "/containers/create", self._spec()))["Id"]
             await call("POST", f"/containers/{cid}/start")
@@ -203,9 +213,19 @@ class DockerSandbox:
             self._id = None
         if self._loop is not None:  # a kept container's loop is killed; a removed one's connection closed
             await self._loop.stop()
+        if self._pts is not None:  # a kept container keeps its own reference to the instance
+            await asyncio.to_thread(roots.remove_work_dir, self._pts)
+            self._pts = None
         if self._uid is not None:
             locks.release(self._uid[1])
             self._uid = None
+
+
+def _engine_is_local() -> bool:
+    """Whether a root runner can give containers a devpts instance of their own: the engine runs on
+    this machine (a unix socket) and sees its mounts."""
+    host = os.environ.get("DOCKER_HOST", "unix://")
+    return os.geteuid() == 0 and host.startswith("unix://") and not os.environ.get("DOCKER_CONTEXT")
 
 
 @asynccontextmanager

@@ -125,9 +125,7 @@ def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bo
     """A fresh work dir for prompt `key` under the run's root (a retried prompt starts clean): a tmpfs
     of `size_mb` when `sized` (root only), owned by `owner` when given. OSError if it cannot be made,
     ValueError if `key` is not a plain file name."""
-    if not key or "/" in key or key in (".", ".."):
-        raise ValueError(f"sandbox key {key!r} is not a plain file name")
-    path = os.path.join(os.path.realpath(root), key)
+    path = os.path.join(os.path.realpath(root), _plain(key))
     os.makedirs(root, mode=0o700, exist_ok=True)
     remove_work_dir(path)
     os.mkdir(path, 0o755)
@@ -136,6 +134,13 @@ def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bo
     elif owner is not None:
         os.chown(path, owner, owner)
     return path
+
+
+def _plain(key: str) -> str:
+    """`key` if it is a plain file name, else ValueError."""
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"sandbox key {key!r} is not a plain file name")
+    return key
 
 
 def remove_work_dir(path: str) -> None:
@@ -167,7 +172,8 @@ def _unmount(path: str) -> None:
 def new_devpts(root: str, key: str, max_ptys: int) -> str:
     """A devpts instance of its own for prompt `key`, holding at most `max_ptys` PTYs (root only): the
     PTYs of every other instance count against the machine's `kernel.pty.max`."""
-    path = os.path.join(os.path.realpath(root), key + ".pts")
+    path = os.path.join(os.path.realpath(root), _plain(key) + ".pts")
+    os.makedirs(root, mode=0o700, exist_ok=True)
     remove_work_dir(path)
     os.mkdir(path, 0o755)
     _mount(b"devpts", path, b"devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}")
