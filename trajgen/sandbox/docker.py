@@ -1,22 +1,22 @@
 """The `docker` backend: one container per prompt, driven through the Docker Engine API (docker_api.py).
 
-The container is the boundary: no network unless asked; CPU, memory, process and open-file
-limits (the last its share of the machine's file table, shares.py); the local backend's seccomp
-filter in place of Docker's default one (seccomp.docker_profile: AIO, io_uring, keyrings,
-namespaces and every socket family but AF_UNIX denied with the network off); every capability
-dropped but the few a root shell needs, no-new-privileges, and commands run as a uid of their own
-(roots.take_uid: per-uid limits such as inotify instances are then per prompt, as in the local
-backend) unless `docker_root`; a root runner whose engine is on this machine binds a devpts
-instance with the container's share of the machine's PTYs at /dev/pts (roots.new_devpts); a session label so `cleanup` can find every container an invocation
-(or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
-with -9 left. PID 1 is a tiny root shell that reaps orphans and survives `kill -9 -1`,
-which is how every terminal call ends, on time or not, together with everything it started,
-setsid or not: nothing a call starts outlives it. In an image with bash, a prompt's commands go
-through one exec running the command loop (supervise.sh, as the local backend runs it), which
-empties /tmp after each; a timeout or a lost loop kills every process of the commands' user (PID 1
-and the files stay) and the next command starts a new loop. Other images get one exec per call.
-Every call is an exec through the Engine API, no `docker` process of its own; only pulls and the
-synchronous reaping run the CLI.
+The container is the boundary: no network unless asked; CPU, memory, process and open-file limits
+(the last its share of the machine's file table, shares.py); the local backend's seccomp filter in
+place of Docker's default one (seccomp.docker_profile: AIO, io_uring, keyrings, namespaces and
+every socket family but AF_UNIX denied with the network off); every capability dropped but the few
+a root shell needs, no-new-privileges, and commands run as a uid of their own (roots.take_uid: per-
+uid limits such as inotify instances are then per prompt, as in the local backend) unless
+`docker_root`; a root runner whose engine is on this machine binds a devpts instance with the
+container's share of the machine's PTYs at /dev/pts (roots.new_devpts); a session label so
+`cleanup` can find every container an invocation (or a crashed worker) left, and a run label so the
+next invocation can reap what a runner killed with -9 left. PID 1 is a tiny root shell that reaps
+orphans and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together
+with everything it started, setsid or not: nothing a call starts outlives it. In an image with
+bash, a prompt's commands go through one exec running the command loop (supervise.sh, as the local
+backend runs it), which empties /tmp after each; a timeout or a lost loop kills every process of
+the commands' user (PID 1 and the files stay) and the next command starts a new loop. Other images
+get one exec per call. Every call is an exec through the Engine API, no `docker` process of its
+own; only pulls and the synchronous reaping run the CLI.
 """
 from __future__ import annotations
 

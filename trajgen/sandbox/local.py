@@ -109,7 +109,7 @@ def _identity(uid: int) -> tuple[list[str], list[str]]:
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
                   pts: str | None = None) -> tuple[list[str], list[str]]:
     """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
-    the sandbox's own (roots.mount_devpts) over bwrap's, whose PTYs count against the machine's."""
+    the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's."""
     identity, as_uid = _identity(uid)
     options = [
         *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
