@@ -4,8 +4,8 @@ The container is the boundary: no network unless asked; CPU, memory, process and
 (the last its share of the machine's file table, shares.py); the local backend's seccomp filter in
 place of Docker's default one (seccomp.docker_profile: AIO, io_uring, keyrings, namespaces and
 every socket family but AF_UNIX denied with the network off); every capability dropped but the few
-a root shell needs, no-new-privileges, and commands run as a uid of their own (roots.take_uid: per-
-uid limits such as inotify instances are then per prompt, as in the local backend) unless
+a root shell needs, no-new-privileges, and commands run as a uid of their own (roots.take_uid:
+per-uid limits such as inotify instances are then per prompt, as in the local backend) unless
 `docker_root`; a root runner whose engine is on this machine binds a devpts instance with the
 container's share of the machine's PTYs at /dev/pts (roots.new_devpts); a session label so
 `cleanup` can find every container an invocation (or a crashed worker) left, and a run label so the
