@@ -6,6 +6,7 @@ import signal
 import time
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from trajgen.sandbox.roots import private_base
 
 
 def _prompts(rows: list[dict]) -> list[str]:
@@ -30,12 +31,11 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     server = scripted_server({"default": [{**call("terminal", command="echo hi"), "delay": 0.15}, {**think(), "delay": 0.15}]})
     names = [f"prompt {i}" for i in range(40)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    tmp = cli.cwd / "tmp"  # the runners' own TMPDIR: their sandbox roots, and nobody else's, are there
-    tmp.mkdir()
-    cli.env["TMPDIR"] = str(tmp)
+    before = set(private_base().glob("trajgen-sandboxes-*"))
     process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
     _wait_for_rows(cli.run_dir(), 10)
-    assert list(tmp.glob("trajgen-sandboxes-*"))
+    roots = set(private_base().glob("trajgen-sandboxes-*")) - before  # the killed runner's sandbox root and lock
+    assert roots
     kill_group(process)  # the parent and its workers, as a machine crash would
     landed = _landed_prompts(cli.run_dir())
     assert 10 <= len(landed) < 40
@@ -49,7 +49,7 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     old_batches = {int(p.stem.split("_")[1]) for p in cli.run_dir().glob("batch_*.jsonl")}
     assert len(old_batches) > 1
     # the killed runner could not clean up its sandboxes; the next run removed them
-    assert not list(tmp.glob("trajgen-sandboxes-*"))
+    assert not [root for root in roots if root.exists()]
 
 
 def test_duplicates_stay_duplicated_across_resume(cli, scripted_server):

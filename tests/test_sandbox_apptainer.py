@@ -15,6 +15,7 @@ import pytest
 from tests.standins import builds, live_instances
 from trajgen.sandbox import SandboxError, apptainer, read_file
 from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, limit_notices, open_sandbox, reap
+from trajgen.sandbox.roots import UID_BASE, UID_COUNT
 
 pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]
 
@@ -57,7 +58,7 @@ async def _session(sandbox, *commands: str, timeout: float = 30):
     return results
 
 
-def test_runs_in_the_image_at_the_cwd_as_nobody_without_network_or_secrets(config, busybox_image, monkeypatch,
+def test_runs_in_the_image_at_the_cwd_as_a_uid_of_its_own_without_network_or_secrets(config, busybox_image, monkeypatch,
                                                                            apptainer_standin):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     assert asyncio.run(check_images([busybox_image], config)) == {busybox_image: None}
@@ -75,7 +76,8 @@ def test_runs_in_the_image_at_the_cwd_as_nobody_without_network_or_secrets(confi
 
     result, listed, host_dir, options = asyncio.run(session())
     lines = result.output.splitlines()
-    assert lines[:3] == ["/srv/app", "65534", "no-bash"], result.output
+    assert lines[0] == "/srv/app" and lines[2] == "no-bash", result.output
+    assert UID_BASE <= int(lines[1]) < UID_BASE + UID_COUNT  # a uid of the prompt's own
     assert "sk-secret" not in result.output and "OPENAI_API_KEY" not in result.output
     assert "sk-secret" not in apptainer.runtime_env().values()  # nor does it reach the runtime's CLI
     assert "LANG=C.UTF-8" in lines and "PYTHONUNBUFFERED=1" in lines

@@ -8,10 +8,15 @@ after the other) cannot produce, so it drives a real sandbox directly.
 """
 from __future__ import annotations
 
+import ast
 import asyncio
+import errno
 import os
 import platform
+import shlex
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,12 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI, call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.conftest import CLI, call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_browser_tools import LAUNCH_PROBLEM, LOOPBACK_ONLY
+from tests.test_web_tools import local_site  # noqa: F401  (fixture)
 from trajgen.scripted_server import start_server
 from trajgen import locks
-from trajgen.sandbox import SandboxConfig
+from trajgen.sandbox import SandboxConfig, shares
 from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.roots import new_root_dir
+from trajgen.sandbox.roots import UID_BASE, UID_COUNT, new_root_dir
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -71,6 +78,95 @@ def _peak_child_memory(process: subprocess.Popen) -> int:
     return peak
 
 
+FD_FILLER = """import os, resource, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+r, w = os.pipe()
+for _ in range(8):
+    if os.fork() == 0:
+        n = 0
+        try:
+            while n < 5000:
+                os.open("/dev/null", os.O_RDONLY)
+                n += 1
+        except OSError:
+            pass
+        os.write(w, b"%d\\n" % n)
+        time.sleep(4)
+        os._exit(0)
+lines = os.fdopen(r)
+held = [int(lines.readline()) for _ in range(8)]
+print("held", max(held), sum(held))
+"""
+PTY_FILLER = """import os, time
+r, w = os.pipe()
+for _ in range(6):
+    if os.fork() == 0:
+        n = 0
+        try:
+            while n < 250:
+                os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+                n += 1
+        except OSError:
+            pass
+        os.write(w, b"%d\\n" % n)
+        time.sleep(4)
+        os._exit(0)
+lines = os.fdopen(r)
+print("ptys", sum(int(lines.readline()) for _ in range(6)))
+"""
+# syscall numbers: io_setup, io_uring_setup, personality, modify_ldt (x86 only)
+KERNEL_CALLS = {"x86_64": (206, 425, 135, 154), "aarch64": (0, 425, 92, None)}
+KERNEL_PROBE = """import ctypes, socket
+io_setup, io_uring_setup, personality, modify_ldt = %r
+libc = ctypes.CDLL(None, use_errno=True)
+def call(number, *args):
+    ctypes.set_errno(0)
+    return libc.syscall(number, *args) >= 0 or ctypes.get_errno()
+ctx, params = ctypes.c_ulong(0), ctypes.create_string_buffer(120)
+found = {"io_setup": call(io_setup, 16, ctypes.byref(ctx)), "io_uring": call(io_uring_setup, 8, params),
+         "personality_query": call(personality, 0xFFFFFFFF), "personality_set": call(personality, 0x0040000)}
+if modify_ldt is not None:
+    found["modify_ldt"] = call(modify_ldt, 0, ctypes.create_string_buffer(16), 16)
+for name, family in (("vsock", socket.AF_VSOCK), ("inet", socket.AF_INET), ("netlink", socket.AF_NETLINK),
+                     ("unix", socket.AF_UNIX)):
+    try:
+        socket.socket(family, socket.SOCK_DGRAM if family == socket.AF_NETLINK else socket.SOCK_STREAM).close()
+        found[name] = True
+    except OSError as e:
+        found[name] = e.errno
+print(repr(found))
+"""
+# reads the command loop's memory for the marker that ends a command's output, prints it with a
+# made-up exit status, and goes on running
+FORGER = """import os, re, sys, time
+try:
+    maps = open("/proc/2/maps").read().splitlines()
+    mem = os.open("/proc/2/mem", os.O_RDONLY)
+except OSError as e:
+    print("refused", e.errno)
+    sys.exit(3)
+found = set()
+for line in maps:
+    span, perms = line.split()[:2]
+    if perms.startswith("rw"):
+        start, end = (int(x, 16) for x in span.split("-"))
+        try:
+            found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", os.pread(mem, end - start, start)))
+        except OSError:
+            pass
+for marker in found:
+    sys.stdout.buffer.write(marker + b" 0\\n")
+sys.stdout.flush()
+time.sleep(2)
+open("late.txt", "w").write("after the end")
+sys.exit(3)
+"""
+PLANT_USERCUSTOMIZE = ('d=$(python3 -m site --user-site) && mkdir -p "$d" && '
+                       "echo 'import os; os._exit(0)' > \"$d/usercustomize.py\" && echo planted")
+FAILING_CHECK = "python3 -c 'import sys; sys.exit(1)'"
+CONCURRENCY = 8  # the CLI's in these tests: each sandbox's share of the machine's tables follows from it
+
 LOCAL_SCRIPT = {"prompts": {
     "keyring writer": [call("terminal", command=_keyring_probe(True)), think()],
     "keyring reader": [call("terminal", command="sleep 1; " + _keyring_probe(False)), think()],
@@ -88,6 +184,17 @@ LOCAL_SCRIPT = {"prompts": {
                  call("patch", path="big.txt", old_string="\n\n", new_string="x"),
                  call("vision_analyze", image_url="big.txt", question=QUESTION),
                  think()],
+    "file table filler": [call("write_file", path="fill.py", content=FD_FILLER), call("terminal", command="python3 fill.py"),
+                          think()],
+    "file table victim": [call("terminal", command="sleep 1; cat /etc/hostname > /dev/null && echo victim-ran"), think()],
+    "pty filler": [call("write_file", path="fill.py", content=PTY_FILLER), call("terminal", command="python3 fill.py"),
+                   think()],
+    "pty victim": [call("terminal", command="sleep 1; script -qc 'echo pty-ran' /dev/null"), think()],
+    "kernel calls": [call("write_file", path="probe.py", content=KERNEL_PROBE % (KERNEL_CALLS.get(platform.machine()),)),
+                     call("terminal", command="python3 probe.py"), think()],
+    "forged end": [call("write_file", path="forge.py", content=FORGER), call("terminal", command="python3 forge.py"),
+                   think()],
+    "check hijack": [call("terminal", command=PLANT_USERCUSTOMIZE), think()],
     "private vision": [call("vision_analyze", image_url="http://169.254.169.254/latest/meta-data/", question=QUESTION),
                        call("vision_analyze", image_url="http://127.0.0.1:9/cat.png", question=QUESTION),
                        think()],
@@ -95,12 +202,32 @@ LOCAL_SCRIPT = {"prompts": {
 
 
 @pytest.fixture(scope="module")
-def local_attacks(tmp_path_factory):
+def planted_symlink(tmp_path_factory):
+    """What a local user (uid 4242) plants where runners used to keep sandbox roots (TMPDIR): a root
+    that is a symlink to a directory with a mount point in it, and its lock, unheld. Yields
+    (that TMPDIR, the mount point) and unmounts it afterwards."""
+    tmpdir, victim = Path(tempfile.mkdtemp(prefix="trajgen-shared-tmp-")), tmp_path_factory.mktemp("victim")
+    tmpdir.chmod(0o1777)  # reachable by that user, as /tmp is
+    (victim / "mnt").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "trajgen-victim", str(victim / "mnt")], check=True)
+    plant = f"ln -s {victim} {tmpdir}/trajgen-sandboxes-evil && touch {tmpdir}/trajgen-sandboxes-evil.lock"
+    subprocess.run(["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "sh", "-c", plant], check=True)
+    yield tmpdir, victim / "mnt"
+    subprocess.run(["umount", str(victim / "mnt")], capture_output=True)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_attacks(tmp_path_factory, planted_symlink):
     """One run of every local attack beside healthy prompts on a single worker, then a second run reading the keyring."""
     server = start_server(LOCAL_SCRIPT)
     cli = CLI(tmp_path_factory.mktemp("attacks"))
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in LOCAL_SCRIPT["prompts"]])
-    flags = dict(distribution="default", num_workers=1, sandbox_memory=MEMORY_MB, sandbox_disk=DISK_MB)
+    cli.env["TMPDIR"] = str(planted_symlink[0])
+    rows = [{"prompt": p} for p in LOCAL_SCRIPT["prompts"]]
+    rows[list(LOCAL_SCRIPT["prompts"]).index("check hijack")]["verify"] = FAILING_CHECK
+    write_jsonl(cli.cwd / "prompts.jsonl", rows)
+    flags = dict(distribution="default", num_workers=1, sandbox_memory=MEMORY_MB, sandbox_disk=DISK_MB,
+                 concurrency=CONCURRENCY)
     process = cli.start(*cli.args(server, **flags))
     peak = _peak_child_memory(process)
     first = process.communicate()
@@ -155,6 +282,68 @@ def test_a_large_file_does_not_fill_the_worker(local_attacks):
     assert patched["success"] is False and "too large" in patched["error"]
     assert seen["success"] is False and "too large" in seen["error"]
     assert 0 < peak < (BIG_FILE_MB << 20) * 3 // 4, f"a worker peaked at {peak >> 20} MB"
+
+
+@ROOT_ONLY
+def test_the_sweep_follows_no_symlink_planted_by_another_user(local_attacks, planted_symlink):
+    _, mount = planted_symlink
+    assert os.path.ismount(mount)  # the runner swept stale roots, and left the planted one's target alone
+
+
+@ROOT_ONLY
+def test_a_file_table_filler_holds_only_its_share_and_its_neighbour_runs(local_attacks):
+    cli, *_ = local_attacks
+    rows = _rows(cli, "run")
+    _, filled = tool_outputs(rows["file table filler"])
+    per_process, total = map(int, filled["output"].split()[1:])
+    share = shares.open_files(CONCURRENCY, SandboxConfig().max_processes)
+    assert per_process < share and total < 8 * share, filled
+    assert share * SandboxConfig().max_processes * 2 * CONCURRENCY <= int(Path("/proc/sys/fs/file-max").read_text())
+    assert tool_outputs(rows["file table victim"])[0]["output"] == "victim-ran\n"
+
+
+@ROOT_ONLY
+def test_a_pty_filler_holds_only_its_share_and_its_neighbour_gets_a_pty(local_attacks):
+    cli, *_ = local_attacks
+    rows = _rows(cli, "run")
+    _, filled = tool_outputs(rows["pty filler"])
+    assert filled["output"] == f"ptys {shares.ptys(CONCURRENCY)}\n", filled
+    victim = tool_outputs(rows["pty victim"])[0]
+    assert victim["exit_code"] == 0 and "pty-ran" in victim["output"], victim
+
+
+@pytest.mark.skipif(platform.machine() not in KERNEL_CALLS, reason="syscall numbers known for x86_64 and aarch64")
+def test_aio_io_uring_ldt_personality_and_every_socket_family_but_unix_are_denied(local_attacks):
+    cli, *_ = local_attacks
+    _, probe = tool_outputs(_rows(cli, "run")["kernel calls"])
+    found = ast.literal_eval(probe["output"])
+    expected = {"io_setup": errno.EPERM, "io_uring": errno.EPERM, "personality_query": True,
+                "personality_set": errno.EPERM, "vsock": errno.EAFNOSUPPORT, "inet": errno.EAFNOSUPPORT,
+                "netlink": errno.EAFNOSUPPORT, "unix": True}
+    if platform.machine() == "x86_64":
+        expected["modify_ldt"] = errno.EPERM
+    assert found == expected
+
+
+@ROOT_ONLY
+def test_a_command_cannot_forge_the_end_of_its_output(local_attacks):
+    cli, *_ = local_attacks
+    _, forged = tool_outputs(_rows(cli, "run")["forged end"])
+    assert forged["exit_code"] == 3 and forged["output"] == f"refused {errno.EACCES}\n", forged
+
+
+def test_the_model_cannot_make_its_check_pass(local_attacks):
+    cli, *_ = local_attacks
+    row = _rows(cli, "run")["check hijack"]
+    assert tool_outputs(row)[0]["output"] == "planted\n"
+    assert (row["verify"]["status"], row["verify"]["exit_code"]) == ("failed", 1), row["verify"]
+
+
+def test_batch_and_side_files_are_private_to_the_runner(local_attacks):
+    cli, *_ = local_attacks
+    files = [p for p in cli.run_dir("run").iterdir() if p.suffix == ".jsonl"]
+    assert any(p.name.startswith("batch_") for p in files)
+    assert {p.name: oct(p.stat().st_mode & 0o077) for p in files} == {p.name: "0o0" for p in files}
 
 
 def test_vision_refuses_private_urls_and_sends_nothing(local_attacks):
@@ -222,15 +411,18 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
 # --- docker: what one terminal call leaves behind, and what a command may do ---
 
 
-def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scripted_server, docker_engine,
-                                                                       busybox_image):
+def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_per_prompt(
+        cli, scripted_server, docker_engine, busybox_image):
     server = scripted_server({"prompts": {
         "leave a process": [call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; "
                                                      "echo started"),
                             call("terminal", command="ps -o args | grep -c '[s]leep 4'; id -u; grep Cap /proc/self/status; "
-                                                     "chown 0 . 2>/dev/null; echo chown=$?; touch /etc/x 2>/dev/null; echo etc=$?"),
+                                                     "chown 0 . 2>/dev/null; echo chown=$?; touch /etc/x 2>/dev/null; echo etc=$?; "
+                                                     "echo files=$(ulimit -n); nc 127.0.0.1 9 </dev/null 2>&1; "
+                                                     "for i in $(seq 250); do sleep 3 3<>/dev/ptmx 2>/dev/null & done; "
+                                                     "sleep 1; echo ptys=$(($(ls /dev/pts | wc -l) - 1))"),
                             think()],
-        "neighbour": [call("terminal", command="echo fine > f && cat f"), think()],
+        "neighbour": [call("terminal", command="echo fine > f && cat f && id -u"), think()],
     }})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
                                             {"prompt": "neighbour", "image": busybox_image}])
@@ -240,12 +432,17 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges(cli, scri
     started, probe = tool_outputs(rows["leave a process"])
     assert started["output"] == "started\n"
     lines = probe["output"].splitlines()  # stdout only: its order against stderr is not kept across docker exec
-    assert lines[:2] == ["0", "65534"], probe  # no sleep survived its call; commands run as uid 65534
+    uid = int(lines[1])
+    assert lines[0] == "0" and UID_BASE <= uid < UID_BASE + UID_COUNT, probe  # no sleep survived its call
     caps = dict(line.split(":\t") for line in lines if line.startswith("Cap"))
     assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
     assert int(caps["CapBnd"], 16) & (1 << 21) == 0  # CAP_SYS_ADMIN is not even in the bounding set
     assert "chown=1" in lines and "etc=1" in lines
-    assert tool_outputs(rows["neighbour"])[0]["output"] == "fine\n"
+    assert f"files={shares.open_files(CONCURRENCY, SandboxConfig().max_processes)}" in lines
+    assert "Address family not supported by protocol" in probe["output"]  # the seccomp filter: AF_UNIX only
+    assert f"ptys={shares.ptys(CONCURRENCY)}" in lines  # of 250 asked for, with a devpts instance of its own
+    fine, neighbour_uid = tool_outputs(rows["neighbour"])[0]["output"].splitlines()
+    assert fine == "fine" and UID_BASE <= int(neighbour_uid) < UID_BASE + UID_COUNT and int(neighbour_uid) != uid
 
 
 # --- the write race: a link swapped in while write_file works ---
@@ -295,3 +492,76 @@ print("flipped")
     assert result.output.endswith("flipped\n")
     assert written + refused > 100
     assert list(victim.iterdir()) == [] and victim.stat().st_uid == 0
+
+
+# --- the browser: its uid must not reach root, nor the runner's secrets ---
+
+CANARY = "sk-or-canary-4242"  # the runner's API key, for this test
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (the CLI's own tree: its workers, their drivers, their browsers)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except OSError:
+            continue
+        found += children
+        todo += children
+    return found
+
+
+def _chromium(pid: int) -> dict[int, tuple[int, bytes]]:
+    """The run's Chromium processes: pid -> (uid, environment)."""
+    found = {}
+    for child in _descendants(pid):
+        try:
+            if b"chrom" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0]:
+                found[child] = (Path(f"/proc/{child}").stat().st_uid, Path(f"/proc/{child}/environ").read_bytes())
+        except OSError:
+            continue
+    return found
+
+
+@ROOT_ONLY
+@pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser needs chromium: {LAUNCH_PROBLEM}")
+def test_the_browser_uid_cannot_swap_its_launcher_nor_read_the_runners_key(cli, scripted_server, local_site, tmp_path):
+    """Acting as Chromium's uid mid-run: replace every launcher root runs, kill the browser; the next
+    navigation starts it again, and nothing of the uid's may have run as root. No Chromium process
+    has the runner's key in its environment."""
+    site = local_site.url
+    server = scripted_server({"prompts": {"browse": [
+        call("browser_navigate", url=site + "/"), {**call("browser_navigate", url=site + "/form"), "delay": 8},
+        think()]}})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "browse"}])
+    cli.env.update(OPENROUTER_API_KEY=CANARY, TRAJGEN_CHROMIUM_ARGS=LOOPBACK_ONLY)
+    process = cli.start(*cli.args(server, distribution="browser_only", allow_private_urls=True, api_key=None))
+    try:
+        deadline = time.monotonic() + 60  # the first page is open once the model is asked again (8 s to answer)
+        while len(server.requests()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        browsers = _chromium(process.pid)
+        assert browsers, "no Chromium started"
+        uid = min(uid for uid, _ in browsers.values())
+        home = next((e.split(b"=", 1)[1].decode() for _, env in browsers.values() for e in env.split(b"\0")
+                     if e.startswith(b"HOME=")), "/nonexistent")
+        swapped = tmp_path / "swapped"
+        swapped.mkdir(mode=0o777)
+        swapped.chmod(0o777)
+        evil = f"#!/bin/sh\nid -u > {swapped}/ran-as\n"
+        launchers = [f"{home}/chromium-as-user", *map(str, Path("/run/trajgen").glob("*/chromium"))]  # before, after
+        attack = " ".join(f"([ -f {q} ] && rm -f {q} && printf %s {shlex.quote(evil)} > {q} && chmod 755 {q} && echo swapped);"
+                          for q in map(shlex.quote, launchers))
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sh", "-c"]
+        swaps = subprocess.run([*as_uid, attack + " kill -9 -1"], capture_output=True, text=True)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            kill_group(process)
+    assert uid != 0 and all(CANARY.encode() not in env for _, env in browsers.values())
+    assert "swapped" not in swaps.stdout, swaps.stdout
+    assert not (swapped / "ran-as").exists()
+    first, second = tool_outputs(_rows(cli, "run")["browse"])
+    assert first["success"] is True and second["success"] is True and second["url"] == site + "/form", (second, err)

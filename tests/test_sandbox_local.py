@@ -160,6 +160,19 @@ def test_no_network_by_default(tmp_path):
     assert "CONNECTED" in allowed.output  # the probe itself works when the network is shared
 
 
+def test_with_the_network_on_vsock_is_still_refused(tmp_path):
+    """AF_VSOCK's port space is shared by every sandbox and may reach the VM's host, network or not."""
+    opened = SandboxConfig(root_dir=str(tmp_path / "opened"), network=True)
+    probe = ("python3 -c 'import socket\nfor f in (socket.AF_VSOCK, socket.AF_INET):\n"
+             "    try: socket.socket(f, socket.SOCK_STREAM).close(); print(\"made\")\n"
+             "    except OSError as e: print(e.errno)'")
+    try:
+        result = run(open_sandbox(opened, "p1", None, None), probe)
+    finally:
+        cleanup(opened)
+    assert result.output.split() == ["97", "made"], result  # EAFNOSUPPORT for vsock; TCP works
+
+
 def test_output_is_capped_keeping_head_and_tail(config):
     sandbox = open_sandbox(config, "p1", None, None)
     result = run(sandbox, "echo FIRST-LINE; head -c 300000 /dev/zero | tr '\\0' x; echo; echo LAST-LINE")

@@ -44,9 +44,15 @@ def is_held(path: Path) -> bool:
     except FileNotFoundError:
         return False
     try:
+        return held_elsewhere(fd)
+    finally:
+        os.close(fd)
+
+
+def held_elsewhere(fd: int) -> bool:
+    """True while another open file of the lock file open at `fd` holds its lock."""
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
-    finally:
-        os.close(fd)

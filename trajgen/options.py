@@ -170,7 +170,7 @@ class RunOptions:
             network=self.sandbox_network, keep=self.keep_sandboxes, unsafe_local=self.unsafe_local,
             root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], run_id=self.run_id, memory_mb=self.sandbox_memory,
             disk_mb=self.sandbox_disk, docker_root=self.docker_root, sif_cache=self.apptainer_cache_dir or "",
-            modal_app=self.modal_app, modal_timeout=self.modal_timeout)
+            modal_app=self.modal_app, modal_timeout=self.modal_timeout, slots=self.concurrency)
 
     def request_extras(self) -> tuple[dict, str | None, list[str]]:
         """Provider routing and reasoning controls: (extra_body, reasoning_effort parameter, what will be sent)."""

@@ -249,7 +249,7 @@ class AppendFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)  # rows may hold what users keep private
         size = os.fstat(self.fd).st_size
         self.torn = bool(size) and os.pread(self.fd, 1, size - 1) != b"\n"
         self.unsynced = False  # written since its last fsync

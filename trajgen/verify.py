@@ -1,8 +1,12 @@
 """The check of a finished sample: its row's `verify` command, run in the sample's own sandbox.
 
-When the conversation ends, before the sandbox closes, the model's final answer is written to
-FINAL_ANSWER in the work dir and the command runs there, through the `Sandbox` protocol only,
-so every backend runs it the same way (with the run's network setting and its own timeout).
+When the conversation ends, before the sandbox closes, every process its commands left is
+killed, the model's final answer is written to FINAL_ANSWER in the work dir and the command runs
+there in a clean room (CLEAN_ROOM), through the `Sandbox` protocol only, so every backend runs it
+the same way (with the run's network setting and its own timeout). The work dir is what is
+checked, as the model left it; nothing else of the conversation reaches the check: its HOME is a
+new empty directory, its environment holds only the sandbox's own PATH and the names below
+(no BASH_ENV, ENV or PYTHON* variable a command exported), and Python ignores user site-packages.
 Exit 0 passes and any other exit fails, except 126 and 127: the shell saying the command could
 not be run or found, an error of the check rather than of the model (a missing test runner must
 not read as a model that failed). No exit within the timeout is a timeout; a sandbox that
@@ -11,15 +15,20 @@ cannot open, take the answer or run the command is an error. None of it fails th
 from __future__ import annotations
 
 import enum
+import shlex
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from trajgen.sandbox import Sandbox, SandboxError
+from trajgen.sandbox.docker import PREFER_BASH
 
 FINAL_ANSWER = ".trajgen/final_answer.txt"
 OUTPUT_TAIL = 2000  # characters of the command's output a row keeps: the end, where test summaries are
 NOT_RUN = {126: "not_executable", 127: "command_not_found"}  # what sh exits with when it cannot run a command
+# $PATH here is the one the backend started the sandbox's shell with (fixed: no command can change it)
+CLEAN_ROOM = ('home=$(mktemp -d) || exit 126; exec env -i HOME="$home" PATH="$PATH" LANG=C.UTF-8 TERM=dumb '
+              "PYTHONNOUSERSITE=1 PYTHONUNBUFFERED=1 sh -c {prefer_bash} sh {command}")
 
 
 class Verdict(enum.Enum):
@@ -60,9 +69,10 @@ async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[S
     started = time.monotonic()
     try:
         box = await sandbox()
+        await box.end_processes()
         await box.write_file(FINAL_ANSWER, final_answer.encode())
         ran = time.monotonic()
-        result = await box.run(command, timeout)
+        result = await box.run(clean_room(command), timeout)
     except (SandboxError, OSError) as e:
         return Check(Verdict.ERROR, command, None, _since(started), str(e)[-OUTPUT_TAIL:], "sandbox")
     seconds = _since(started)  # the whole check, the sandbox's start included
@@ -75,6 +85,11 @@ async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[S
     if result.exit_code in NOT_RUN:
         return Check(Verdict.ERROR, command, result.exit_code, seconds, output, NOT_RUN[result.exit_code])
     return Check(Verdict.PASSED if result.exit_code == 0 else Verdict.FAILED, command, result.exit_code, seconds, output)
+
+
+def clean_room(command: str) -> str:
+    """`command` run by a shell with a fresh HOME and nothing of the conversation's environment."""
+    return CLEAN_ROOM.format(prefer_bash=shlex.quote(PREFER_BASH), command=shlex.quote(command))
 
 
 def _since(started: float) -> float:

@@ -49,6 +49,7 @@ class SandboxConfig:
     memory_mb: int = 4096  # the whole sandbox, /tmp and the work dir included (per process where no cgroup)
     disk_mb: int = 1024  # size of the sandbox's /tmp and of its work dir, each
     max_processes: int = 512  # per sandbox
+    slots: int = 32  # sandboxes of the run open at once (its concurrency): they share the machine's tables (shares.py)
     file_size_mb: int = 1024  # largest file a command may write
     cpus: float = 1.0  # container backends only
     sif_cache: str = ""  # apptainer: where images are built into SIF files (default ~/.cache/trajgen/sif)
@@ -66,6 +67,10 @@ class Sandbox(Protocol):
         ...
 
     async def write_file(self, path: str, data: bytes) -> None: ...
+
+    async def end_processes(self) -> None:
+        """Kill every process the prompt's commands may have left; the files stay."""
+        ...
 
     async def close(self) -> None: ...
 

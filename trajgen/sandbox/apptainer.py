@@ -10,10 +10,12 @@ with docker: the instance's own PID 1 survives it, nothing the call started does
 CLI gets an environment built from scratch (its own configuration variables, no API key), and only
 LANG, TERM and PYTHONUNBUFFERED cross into the instance, as APPTAINERENV_ variables.
 
-Limits: CPU seconds, file size and data size per process (ulimit in every call's shell) always;
+Limits: CPU seconds, file size, data size and open files (its share of the machine's file table,
+shares.py) per process (ulimit in every call's shell) always;
 memory, processes and CPUs per instance (cgroups) only when the runner is root, since Apptainer
-run by a user needs cgroups v2 with systemd delegation for them. Run as root, commands run as uid
-65534 (`--security uid:65534,gid:65534`) in a work dir that is a tmpfs of --sandbox_disk MB; run
+run by a user needs cgroups v2 with systemd delegation for them. Run as root, commands run as a
+uid of their own per prompt (roots.take_uid, `--security uid:N,gid:N`: per-uid limits such as
+inotify instances are then per prompt) in a work dir that is a tmpfs of --sandbox_disk MB; run
 as a user (the usual case on a cluster), they run as that user inside the instance's namespaces.
 The instance's name carries the run id and session label, so `remove` finds every instance of a
 run or a session with `instance list --json`.
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, roots
+from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, roots, shares
 from trajgen.sandbox.docker import ONE_CALL, READ, WRITE
 from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
 
@@ -41,10 +43,10 @@ BUILD_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # instance start / stop / list
 DEFAULT_CACHE = "~/.cache/trajgen/sif"
 NAME_PREFIX = "trajgen"  # instance names: trajgen-<run id>-<session label>-<prompt part>
-NOBODY = 65534
 PASSED = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}  # what docker sets, nothing more
-# per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB)
-LIMITED_CALL = 'ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; ' + ONE_CALL
+# per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB, $5 open files)
+LIMITED_CALL = ('ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; '
+                'ulimit -n "$5" 2>/dev/null; ' + ONE_CALL)
 
 
 @functools.cache
@@ -105,6 +107,7 @@ class ApptainerSandbox:
         self.host_dir: str | None = None
         self._started = False
         self._lock = asyncio.Lock()
+        self._uid: tuple[int, int] | None = None  # (the commands' uid, the fd holding it), as root
 
     async def _instance(self) -> str:
         async with self._lock:
@@ -121,8 +124,10 @@ class ApptainerSandbox:
             raise SandboxError("no sandbox root: SandboxConfig.root_dir must be set (roots.new_root_dir)")
         root = os.geteuid() == 0
         try:  # as root a sized tmpfs owned by the commands' uid; a kept one must outlive the run as a plain dir
+            if root and self._uid is None:
+                self._uid = await asyncio.to_thread(roots.take_uid)
             self.host_dir = await asyncio.to_thread(roots.new_work_dir, c.root_dir, self.key, c.disk_mb,
-                                                    NOBODY if root else None, root and not c.keep)
+                                                    self._uid[0] if root else None, root and not c.keep)
         except (OSError, ValueError) as e:
             raise SandboxError(f"cannot prepare the sandbox of {self.key}: {getattr(e, 'strerror', None) or e}") from e
         limits = ["--memory", f"{c.memory_mb}M", "--pids-limit", str(c.max_processes), "--cpus", f"{c.cpus:g}"]
@@ -135,19 +140,21 @@ class ApptainerSandbox:
             raise SandboxError(f"cannot start an instance of image {self.image}: {last_line(err)}")
 
     def _exec(self, *argv: str) -> list[str]:
-        user = ["--security", f"uid:{NOBODY},gid:{NOBODY}"] if os.geteuid() == 0 else []
+        user = ["--security", f"uid:{self._uid[0]},gid:{self._uid[0]}"] if self._uid else []
         return [runtime(), "exec", *user, "--pwd", self.cwd, f"instance://{self.name}", *argv]
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         await self._instance()
         c = self.config
 
-        async def kill_all() -> None:  # killing the CLI leaves the command running inside
-            await run_cli(self._exec("sh", "-c", "kill -9 -1"), runtime_env(), CONTROL_TIMEOUT)
-
         argv = self._exec("sh", "-c", LIMITED_CALL, "sh", command, str(c.cpu_seconds), str(c.file_size_mb << 11),
-                          str(c.memory_mb << 10))
-        return await run_process(argv, timeout, runtime_env(), on_timeout=kill_all)
+                          str(c.memory_mb << 10), str(shares.open_files(c.slots, c.max_processes)))
+        return await run_process(argv, timeout, runtime_env(), on_timeout=self.end_processes)
+
+    async def end_processes(self) -> None:
+        """Killing the CLI would leave a command running inside: it is killed from inside."""
+        if self._started:
+            await run_cli(self._exec("sh", "-c", "kill -9 -1"), runtime_env(), CONTROL_TIMEOUT)
 
     async def read_chunks(self, path: str) -> AsyncIterator[bytes]:
         await self._instance()
@@ -163,14 +170,16 @@ class ApptainerSandbox:
             raise SandboxError(f"cannot write {path}: {last_line(err)}")
 
     async def close(self) -> None:
-        if self.config.keep:
-            return
-        if self._started:
-            await run_cli([runtime(), "instance", "stop", self.name], runtime_env(), CONTROL_TIMEOUT)
-            self._started = False
-        if self.host_dir:
-            await asyncio.to_thread(roots.remove_work_dir, self.host_dir)
-            self.host_dir = None
+        if not self.config.keep:  # a kept instance keeps running as its uid, which a later sandbox may be given
+            if self._started:
+                await run_cli([runtime(), "instance", "stop", self.name], runtime_env(), CONTROL_TIMEOUT)
+                self._started = False
+            if self.host_dir:
+                await asyncio.to_thread(roots.remove_work_dir, self.host_dir)
+                self.host_dir = None
+        if self._uid is not None:
+            locks.release(self._uid[1])
+            self._uid = None
 
 
 def _mount_point(cwd: str | None) -> str:

@@ -61,7 +61,8 @@ def limit_notices(config: SandboxConfig) -> list[str]:
         return []
     notices = []
     if os.geteuid() != 0:
-        notices.append("the runner is not root: sandboxes share its uid and their work dirs have no size limit")
+        notices.append("the runner is not root: sandboxes share its uid, their work dirs have no size limit, "
+                       "their PTYs no share of the machine's, and commands can read their command loop's memory")
     if reason := cgroups.problem():
         notices.append(f"sandboxes get no cgroup ({reason}): memory and processes are limited per process "
                        "and per uid only, and /tmp pages are not counted")

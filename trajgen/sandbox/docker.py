@@ -1,24 +1,31 @@
 """The `docker` backend: one container per prompt, driven through the Docker SDK for Python (docker_client.py).
 
-The container is the boundary: no network unless asked; CPU, memory and process limits; every
-capability dropped but the few a root shell needs, no-new-privileges, and commands run as uid
-65534 unless `docker_root`; a session label so `cleanup` can find every container an invocation
-(or a crashed worker) left, and a run label so the next invocation can reap what a runner killed
-with -9 left. PID 1 is a tiny root shell that reaps orphans and survives `kill -9 -1`,
-which is how every terminal call ends, on time or not, together with everything it started,
-setsid or not: nothing a call starts outlives it. In an image with bash, a prompt's commands go
-through one exec running the command loop (supervise.sh, as the local backend runs it), which
-empties /tmp after each; a timeout or a lost loop kills every process of the commands' user (PID 1
-and the files stay) and the next command starts a new loop. Other images get one exec per call.
-Every call is an exec through the Engine API, no `docker` process of its own.
+The container is the boundary: no network unless asked; CPU, memory, process and open-file limits
+(the last its share of the machine's file table, shares.py); the local backend's seccomp filter in
+place of Docker's default one (seccomp.docker_profile: AIO, io_uring, keyrings, namespaces and
+every socket family but AF_UNIX denied with the network off); every capability dropped but the few
+a root shell needs, no-new-privileges, and commands run as a uid of their own (roots.take_uid:
+per-uid limits such as inotify instances are then per prompt, as in the local backend) unless
+`docker_root`; a root runner whose engine is on this machine binds a devpts instance with the
+container's share of the machine's PTYs at /dev/pts (roots.new_devpts); a session label so
+`cleanup` can find every container an invocation (or a crashed worker) left, and a run label so the
+next invocation can reap what a runner killed with -9 left. PID 1 is a tiny root shell that reaps
+orphans and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together
+with everything it started, setsid or not: nothing a call starts outlives it. In an image with
+bash, a prompt's commands go through one exec running the command loop (supervise.sh, as the local
+backend runs it), which empties /tmp after each; a timeout or a lost loop kills every process of
+the commands' user (PID 1 and the files stay) and the next command starts a new loop. Other images
+get one exec per call. Every call goes through the Docker SDK, no `docker` process of its own.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
+from trajgen import locks
+from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError, roots, seccomp, shares
 from trajgen.sandbox.docker_client import STDOUT, EngineError, call, pull, run_exec, start_exec, sync_call
 from trajgen.sandbox.process import Capture, last_line
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
@@ -38,7 +45,6 @@ KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the cal
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 HAS_BASH = ("sh", "-c", "command -v bash >/dev/null")  # what the command loop needs of an image
-USER = "65534:65534"
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
 
 _loop_images: dict[str, bool] = {}  # image -> whether it can run the command loop; asked once per process
@@ -55,6 +61,8 @@ class DockerSandbox:
         self._id: str | None = None
         self._lock = asyncio.Lock()
         self._loop: Supervisor | None = None  # set at the container's start if the image has bash
+        self._uid: tuple[int, int] | None = None  # (the commands' uid, the fd holding it) once started
+        self._pts: str | None = None  # the host's devpts instance bound at /dev/pts, when it has one
 
     async def _container(self) -> str:
         async with self._lock:
@@ -88,6 +96,8 @@ class DockerSandbox:
     def _spec(self) -> dict:
         """What `docker run` would send for the container: the limits and labels above."""
         c = self.config
+        files = shares.open_files(c.slots, c.max_processes)
+        mounts = [{"Type": "bind", "Source": self._pts, "Target": "/dev/pts"}] if self._pts else []
         return {
             "Image": self.image, "Entrypoint": ["sh"], "Cmd": ["-c", REAPER], "WorkingDir": self.cwd,
             "Env": ["LANG=C.UTF-8", "TERM=dumb", "PYTHONUNBUFFERED=1"],
@@ -96,20 +106,33 @@ class DockerSandbox:
                 "NetworkMode": "default" if c.network else "none", "NanoCpus": round(c.cpus * 1e9),
                 "Memory": c.memory_mb << 20, "MemorySwap": c.memory_mb << 20, "PidsLimit": c.max_processes,
                 "Ulimits": [{"Name": "cpu", "Soft": c.cpu_seconds, "Hard": c.cpu_seconds},
-                            {"Name": "fsize", "Soft": c.file_size_mb << 20, "Hard": c.file_size_mb << 20}],
-                "CapDrop": ["ALL"], "CapAdd": list(SHELL_CAPS), "SecurityOpt": ["no-new-privileges"],
-                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"},
+                            {"Name": "fsize", "Soft": c.file_size_mb << 20, "Hard": c.file_size_mb << 20},
+                            {"Name": "nofile", "Soft": files, "Hard": files}],
+                "CapDrop": ["ALL"], "CapAdd": list(SHELL_CAPS),
+                "SecurityOpt": ["no-new-privileges", f"seccomp={seccomp.docker_profile(c.network)}"],
+                "Tmpfs": {"/tmp": f"size={c.disk_mb}m,mode=1777"}, "Mounts": mounts,
             },
         }
 
     async def _start(self) -> str:
+        if not self.config.docker_root:
+            try:
+                self._uid = await asyncio.to_thread(roots.take_uid)
+            except OSError as e:
+                raise SandboxError(f"cannot take a uid for the sandbox of {self.key}: {e.strerror or e}") from e
+        if _engine_is_local() and self.config.root_dir:
+            try:
+                self._pts = await asyncio.to_thread(roots.new_devpts, self.config.root_dir, self.key,
+                                                    shares.ptys(self.config.slots))
+            except (OSError, ValueError) as e:
+                raise SandboxError(f"cannot prepare the PTYs of {self.key}: {getattr(e, 'strerror', None) or e}") from e
         async with _control(f"cannot start a container from image {self.image}"):
             cid = (await call("create_container_from_config", self._spec()))["Id"]
             await call("start", cid)
         if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
             output = Capture()
             async with _control(f"cannot prepare {self.cwd} in image {self.image}"):
-                code = await run_exec(cid, "0", ["chown", USER, self.cwd], lambda _, data: output.add(data))
+                code = await run_exec(cid, "0", ["chown", self._user, self.cwd], lambda _, data: output.add(data))
             if code != 0:
                 raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(output.text())}")
         return cid
@@ -121,7 +144,7 @@ class DockerSandbox:
 
     @property
     def _user(self) -> str:
-        return "0" if self.config.docker_root else USER
+        return f"{self._uid[0]}:{self._uid[0]}" if self._uid else "0"
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
@@ -172,6 +195,12 @@ class DockerSandbox:
         if code != 0:
             raise SandboxError(f"cannot write {path}: {last_line(errors.text())}")
 
+    async def end_processes(self) -> None:
+        if self._loop is not None:
+            await self._loop.stop()
+        elif self._id is not None:
+            await self._kill_all(self._id)
+
     async def close(self) -> None:
         if self._id is not None and not self.config.keep:
             try:
@@ -182,6 +211,19 @@ class DockerSandbox:
             self._id = None
         if self._loop is not None:  # a kept container's loop is killed; a removed one's connection closed
             await self._loop.stop()
+        if self._pts is not None:  # a kept container keeps its own reference to the instance
+            await asyncio.to_thread(roots.remove_work_dir, self._pts)
+            self._pts = None
+        if self._uid is not None:
+            locks.release(self._uid[1])
+            self._uid = None
+
+
+def _engine_is_local() -> bool:
+    """Whether a root runner can give containers a devpts instance of their own: the engine runs on
+    this machine (a unix socket) and sees its mounts."""
+    host = os.environ.get("DOCKER_HOST", "unix://")
+    return os.geteuid() == 0 and host.startswith("unix://") and not os.environ.get("DOCKER_CONTEXT")
 
 
 @asynccontextmanager

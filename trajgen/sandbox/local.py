@@ -2,10 +2,12 @@
 
 Only system dirs are visible (read-only); the work dir is the one writable place, with a sized
 private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespaces, a scrubbed
-environment, rlimits and a seccomp filter (seccomp.py). Run as root, each sandbox has its own uid
-(roots.take_uid), a cgroup with memory and process limits (cgroups.py) and a work dir that is a
-tmpfs of a fixed size. bubblewrap reads its options from a memfd, so the host path of the work
-dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
+environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
+filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
+memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs,
+and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
+commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
+work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
 command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
 each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,
 and nothing of it left running afterwards. When a PID namespace's first process dies the kernel
@@ -26,7 +28,7 @@ import threading
 from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp
+from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
 from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, process_channel
@@ -34,6 +36,7 @@ from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, pro
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
+NEW_PRIVILEGES_OFF = ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # setpriv's last options
 # moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
 ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
@@ -46,23 +49,24 @@ def sandbox_env(home: str) -> dict[str, str]:
 
 def ulimit_args(config: SandboxConfig) -> list[str]:
     """bash `ulimit` options for a command in the sandbox's loop: CPU seconds, data size (memory),
-    processes, file size (KiB); set in the command's forked shell, no program to exec."""
+    processes, file size (KiB), open files (shares.py); set in the command's forked shell, no program to exec."""
     return ["-t", str(config.cpu_seconds), "-d", str(config.memory_mb << 10), "-u", str(config.max_processes),
-            "-f", str(config.file_size_mb << 10)]
+            "-f", str(config.file_size_mb << 10), "-n", str(shares.open_files(config.slots, config.max_processes))]
 
 
 def prlimit_argv(config: SandboxConfig) -> list[str]:
     """The same limits as a prefix, for a command run without the loop (--unsafe_local): one small
     exec instead of a second bash."""
     return ["prlimit", f"--cpu={config.cpu_seconds}", f"--data={config.memory_mb << 20}",
-            f"--nproc={config.max_processes}", f"--fsize={config.file_size_mb << 20}", "--"]
+            f"--nproc={config.max_processes}", f"--fsize={config.file_size_mb << 20}",
+            f"--nofile={shares.open_files(config.slots, config.max_processes)}", "--"]
 
 
 def _under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def _system_binds() -> list[str]:
+def bwrap_system_binds() -> list[str]:
     """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
@@ -84,25 +88,33 @@ def _system_binds() -> list[str]:
 
 
 def _identity(uid: int) -> tuple[list[str], list[str]]:
-    """(bwrap options, command prefix) that make the command run as `uid`.
+    """(bwrap options, the prefix that makes the command loop run as `uid`).
 
     As root, a user namespace would map the uid onto host root, which owns /etc/shadow and can
     read it; so bwrap stays in the host user namespace and setpriv really becomes the uid, with no
-    capabilities and no way back through a setuid binary. Unprivileged, a user namespace maps our
-    own uid to nobody.
+    capabilities and no way back through a setuid binary. The command loop is started with
+    another effective uid (roots.loop_uid), which bash drops for `uid` at once: a process started
+    with differing real and effective uids, or that changes its effective uid, is not dumpable, so
+    no command can read or write the loop's memory through /proc nor learn the marker that ends
+    its output. Each command's exec makes it an ordinary (dumpable) process of `uid` again.
+    Unprivileged, a user namespace maps our own uid to nobody, and the loop is dumpable.
     """
     if os.geteuid() == 0:
-        setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
-        return [], [*setpriv, "--bounding-set=-all", "--inh-caps=-all", "--"]
+        loop = roots.loop_uid(uid)
+        setpriv = ["setpriv", f"--ruid={uid}", f"--euid={loop}", f"--rgid={uid}", f"--egid={loop}", "--clear-groups"]
+        return [], [*setpriv, *NEW_PRIVILEGES_OFF]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
 
 
-def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int) -> tuple[list[str], list[str]]:
-    """(bubblewrap's options, the command prefix that drops to `uid`)."""
+def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
+                  pts: str | None = None) -> tuple[list[str], list[str]]:
+    """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
+    the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's."""
     identity, as_uid = _identity(uid)
     options = [
-        *_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
-        "--dev", "/dev", "--proc", "/proc", "--bind", host_dir, cwd, "--chdir", cwd,
+        *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+        "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
+        "--bind", host_dir, cwd, "--chdir", cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
         "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd),
@@ -110,10 +122,11 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
     return options, as_uid
 
 
-def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str]) -> tuple[list[str], list[int]]:
+def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str],
+               pts: str | None = None) -> tuple[list[str], list[int]]:
     """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
-    seccomp_fd = seccomp.memfd(seccomp.program(), "trajgen-seccomp")
-    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd)
+    seccomp_fd = seccomp.memfd(seccomp.program(network), "trajgen-seccomp")
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
@@ -132,7 +145,7 @@ def _bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bwrap (bubblewrap) is not installed"
     try:
-        seccomp.program()
+        seccomp.program(False)
     except OSError as e:
         return str(e)
     # the work dir bound is the temp dir itself: a probe killed midway (a Ray actor stopped while it
@@ -159,13 +172,13 @@ class LocalSandbox:
     """A prompt's host work dir, shown to commands at `cwd`; isolated by bwrap unless allowed not to be."""
 
     def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool, uid: int = NOBODY,
-                 uid_lock: int | None = None, group: cgroups.Group | None = None) -> None:
+                 uid_lock: int | None = None, group: cgroups.Group | None = None, pts: str | None = None) -> None:
         self.config = config
         self.host_dir = host_dir
         self.cwd = cwd
         self.isolated = isolated
         self.uid = uid
-        self._uid_lock, self._group = uid_lock, group
+        self._uid_lock, self._group, self._pts = uid_lock, group, pts
         self.files = WorkDir(host_dir, cwd, uid if isolated and os.geteuid() == 0 else None)
 
         self._supervisor = Supervisor(self._start) if isolated else None
@@ -173,7 +186,8 @@ class LocalSandbox:
     async def _start(self) -> Channel:
         """The shell that joins the cgroup, then bwrap running the command loop with the limits for each command."""
         loop = [*LOOP_ARGV, *ulimit_args(self.config)]
-        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop)
+        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop,
+                               self._pts)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir)
@@ -201,6 +215,10 @@ class LocalSandbox:
     async def write_file(self, path: str, data: bytes) -> None:
         await asyncio.to_thread(self.files.write, path, data)
 
+    async def end_processes(self) -> None:
+        if self._supervisor:  # the whole PID namespace, its loop included; the next command starts a new one
+            await self._supervisor.stop()
+
     async def close(self) -> None:
         if self._supervisor:
             await self._supervisor.stop()
@@ -210,6 +228,9 @@ class LocalSandbox:
         if self._group:
             self._group.remove()
             self._group = None
+        if self._pts:
+            roots.remove_work_dir(self._pts)
+            self._pts = None
         if not self.config.keep:
             roots.remove_work_dir(self.host_dir)
         if self._uid_lock is not None:
@@ -240,14 +261,16 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
     point = _mount_point(cwd)
     isolated = problem is None
     uid, uid_lock = roots.take_uid() if isolated and os.geteuid() == 0 else (NOBODY, None)
-    group = None
+    group = pts = None
     try:  # a kept work dir must outlive the run as a plain directory
         host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, uid if uid_lock is not None else None,
                                       sized=isolated and not config.keep)
+        if uid_lock is not None:
+            pts = roots.new_devpts(config.root_dir, key, shares.ptys(config.slots))
         if isolated and cgroups.problem() is None:
             group = cgroups.create(config.run_id, config.label, key, config.memory_mb << 20, config.max_processes)
     except (OSError, ValueError) as e:
         if uid_lock is not None:
             locks.release(uid_lock)
         raise SandboxError(f"cannot prepare the sandbox of {key}: {getattr(e, 'strerror', None) or e}") from e
-    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group)
+    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group, pts)

@@ -143,8 +143,7 @@ class ModalSandbox:
             try:
                 code = await asyncio.wait_for(finish(), timeout)
             except TimeoutError:  # the tree is killed from inside: ending the exec alone would leave its children
-                killer = await self._exec(*KILL_ALL, timeout=self.config.command_timeout, stderr=False)
-                await killer.wait.aio()
+                await self.end_processes()
                 return ExecResult(capture.text(), None,
                                   f"timed out after {timeout:g} s; the command and its children were killed")
         return ExecResult(capture.text(), code)
@@ -179,6 +178,12 @@ class ModalSandbox:
                 raise SandboxError(f"cannot write {path}: no end within {self.config.command_timeout:g} s") from None
             if code != 0:
                 raise SandboxError(f"cannot write {path}: {await _stderr_line(process)}")
+
+    async def end_processes(self) -> None:
+        if self._sandbox is not None:
+            with _modal_errors("the Modal sandbox failed"):
+                killer = await self._exec(*KILL_ALL, timeout=self.config.command_timeout, stderr=False)
+                await killer.wait.aio()
 
     async def _terminate(self, sandbox) -> None:
         with _modal_errors("cannot terminate the Modal sandbox"):

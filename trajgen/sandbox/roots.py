@@ -1,37 +1,58 @@
 """Where local sandboxes live on the host: one root directory per run, one work dir per prompt,
 and the identities their commands run as.
 
-A runner holds a lock file beside its root for its whole life (trajgen/locks.py); the kernel drops
-the lock when the runner dies, however it dies. So a root whose lock nobody holds is stale, and
-any later run removes it, whatever pid namespace either runner lives in. Each live sandbox of a
-root runner takes its own uid from a reserved range, also by lock, so no two live sandboxes on
-the machine share a keyring, a process limit or the right to signal each other.
+Roots and their locks live in a private base (private_base: /run/trajgen for root), never in
+world-writable /tmp: root unmounts and deletes what is there. A runner holds a lock file beside
+its root for its whole life (trajgen/locks.py); the kernel drops the lock when the runner dies,
+however it dies. So a root whose lock nobody holds is stale, and any later run removes it,
+whatever pid namespace either runner lives in. Each live sandbox of a root runner takes its own
+uid from a reserved range, also by lock, so no two live sandboxes on the machine share a keyring,
+a process limit or the right to signal each other.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 from trajgen import locks
 
 ROOT_PREFIX = "trajgen-sandboxes-"
+ROOT_BASE = "/run/trajgen"  # root's private base; /tmp is writable by every local user
 UID_BASE = 1_900_000_000  # above any real account; below the 2**31 some tools choke on
 UID_COUNT = 65_536
 # one lock file per uid ever taken, kept (unlinking one could hand its uid out twice); machine-wide,
 # whatever TMPDIR each runner has
 UID_LOCKS = Path("/run/trajgen-uids")
-MNT_DETACH = 2
-MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 _held: dict[str, int] = {}  # root dir -> the fd of its lock, held until the process ends
+
+
+def private_base() -> Path:
+    """The directory holding this user's sandbox roots and their locks, made if missing: /run/trajgen
+    for root, else trajgen-<uid> in the temp dir. OSError if it is not a real directory of ours that
+    nobody else may enter: root deletes and unmounts what is in it."""
+    euid = os.geteuid()
+    path = Path(ROOT_BASE if euid == 0 else os.path.join(tempfile.gettempdir(), f"trajgen-{euid}"))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != euid or info.st_mode & 0o077:
+        raise OSError(f"{path} is not a directory of uid {euid} closed to others; refusing to keep sandboxes in it")
+    return path
 
 
 def new_root_dir() -> str:
     """Create the run's sandbox root and hold its lock; stale roots of dead runners go first."""
     sweep_stale_roots()
-    fd, lock = tempfile.mkstemp(prefix=ROOT_PREFIX, suffix=".lock")
+    fd, lock = tempfile.mkstemp(prefix=ROOT_PREFIX, suffix=".lock", dir=private_base())
     os.close(fd)
     _held[lock.removesuffix(".lock")] = locks.acquire(Path(lock))
     root = lock.removesuffix(".lock")
@@ -48,28 +69,63 @@ def release_root(root: str) -> None:
 
 
 def sweep_stale_roots() -> None:
-    """A runner killed with -9 cannot clean up: remove the roots no live runner holds."""
-    for lock in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*.lock"):
-        if not locks.is_held(lock):
-            remove_root(str(lock.with_suffix("")))
-            lock.unlink(missing_ok=True)
+    """A runner killed with -9 cannot clean up: remove the roots no live runner holds.
+
+    Everything is reached through an fd of the private base, opened with O_NOFOLLOW: a symlink, or
+    a lock or root not owned by us, is left alone, never followed."""
+    euid = os.geteuid()
+    base = os.open(private_base(), DIR_FLAGS)
+    try:
+        for name in os.listdir(base):
+            if not (name.startswith(ROOT_PREFIX) and name.endswith(".lock")):
+                continue
+            try:
+                lock = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=base)
+            except OSError:  # a symlink (ELOOP) or gone
+                continue
+            try:
+                info = os.fstat(lock)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != euid or locks.held_elsewhere(lock):
+                    continue
+            finally:
+                os.close(lock)
+            _remove_at(base, name.removesuffix(".lock"))
+            os.unlink(name, dir_fd=base)
+    finally:
+        os.close(base)
 
 
 def remove_root(root: str) -> None:
     """Remove a root and every work dir in it, unmounting the sized ones first."""
-    if os.path.isdir(root):
-        for entry in os.scandir(root):
-            unmount(entry.path)
-    shutil.rmtree(root, ignore_errors=True)
+    parent = os.open(os.path.dirname(root) or ".", DIR_FLAGS)
+    try:
+        _remove_at(parent, os.path.basename(root))
+    finally:
+        os.close(parent)
+
+
+def _remove_at(parent: int, name: str) -> None:
+    """Remove directory `name` of the directory open at `parent`, unmounting what is mounted on its
+    entries; a symlink or a directory not owned by us is left as it is."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+    except OSError:
+        return
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return
+        for entry in os.listdir(fd):
+            _unmount(f"/proc/self/fd/{fd}/{entry}")
+        shutil.rmtree(name, dir_fd=parent, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bool) -> str:
     """A fresh work dir for prompt `key` under the run's root (a retried prompt starts clean): a tmpfs
     of `size_mb` when `sized` (root only), owned by `owner` when given. OSError if it cannot be made,
     ValueError if `key` is not a plain file name."""
-    if not key or "/" in key or key in (".", ".."):
-        raise ValueError(f"sandbox key {key!r} is not a plain file name")
-    path = os.path.join(os.path.realpath(root), key)
+    path = os.path.join(os.path.realpath(root), _plain(key))
     os.makedirs(root, mode=0o700, exist_ok=True)
     remove_work_dir(path)
     os.mkdir(path, 0o755)
@@ -80,8 +136,15 @@ def new_work_dir(root: str, key: str, size_mb: int, owner: int | None, sized: bo
     return path
 
 
+def _plain(key: str) -> str:
+    """`key` if it is a plain file name, else ValueError."""
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"sandbox key {key!r} is not a plain file name")
+    return key
+
+
 def remove_work_dir(path: str) -> None:
-    unmount(path)
+    _unmount(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -89,24 +152,46 @@ def mount_tmpfs(path: str, size_mb: int, owner: int) -> bool:
     """Put a tmpfs of `size_mb` at `path` (owned by `owner`), so the work dir has a size; False when not root."""
     if os.geteuid() != 0:
         return False
-    options = f"size={size_mb}m,mode=0755,uid={owner},gid={owner}".encode()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV), options) != 0:
-        raise OSError(ctypes.get_errno(), f"cannot mount a tmpfs at {path}: {os.strerror(ctypes.get_errno())}")
+    _mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0755,uid={owner},gid={owner}")
     return True
 
 
-def unmount(path: str) -> None:
-    if os.path.ismount(path):
-        ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH)
+def _mount(source: bytes, path: str, fstype: bytes, flags: int, options: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(source, path.encode(), fstype, ctypes.c_ulong(flags), options.encode()) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot mount a {fstype.decode()} at {path}: {os.strerror(error)}")
+
+
+def _unmount(path: str) -> None:
+    """Detach what is mounted at `path`, never following a symlink there."""
+    if os.path.ismount(path):  # False for a symlink
+        ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH | UMOUNT_NOFOLLOW)
+
+
+def new_devpts(root: str, key: str, max_ptys: int) -> str:
+    """A devpts instance of its own for prompt `key`, holding at most `max_ptys` PTYs (root only): the
+    PTYs of every other instance count against the machine's `kernel.pty.max`."""
+    path = os.path.join(os.path.realpath(root), _plain(key) + ".pts")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    remove_work_dir(path)
+    os.mkdir(path, 0o755)
+    _mount(b"devpts", path, b"devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}")
+    return path
+
+
+def loop_uid(uid: int) -> int:
+    """The effective uid the command loop of the sandbox whose commands run as `uid` starts with: none of theirs."""
+    return uid + UID_COUNT
 
 
 def take_uid() -> tuple[int, int]:
     """(a uid no live sandbox on this machine has, the fd holding it): give the fd to `release`."""
-    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    held = UID_LOCKS if os.geteuid() == 0 else private_base() / "uids"  # a user's: for its containers' uids
+    held.mkdir(mode=0o700, exist_ok=True)
     for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: few lock files ever exist
         try:
-            return uid, locks.acquire(UID_LOCKS / str(uid))
+            return uid, locks.acquire(held / str(uid))
         except locks.LockHeld:
             continue
     raise OSError("every uid of the sandbox range is in use")

@@ -14,10 +14,12 @@ is off and Chromium connects as it is told.
 
 Playwright's own browser download is not used: the binary is the system's chromium (Debian's
 package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). A root runner starts it
-as an unprivileged uid (_User), so Chromium's own sandbox stays on for untrusted pages. Playwright launches it
-with a fresh temporary profile and with background networking, component updates, sync and
-first-run turned off; CHROMIUM_ARGS closes the remaining paths to outside services, and
-$TRAJGEN_CHROMIUM_ARGS adds switches of your own (a proxy, say).
+in a bubblewrap sandbox as an unprivileged uid (_User), so Chromium's own sandbox stays on for
+untrusted pages and nothing root later runs or deletes is writable by that uid. Its environment is
+BROWSER_ENV, never the runner's (API keys). Playwright launches it with a fresh temporary profile
+and with background networking, component updates, sync and first-run turned off; CHROMIUM_ARGS
+closes the remaining paths to outside services, and $TRAJGEN_CHROMIUM_ARGS adds switches of your
+own (a proxy, say).
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ from urllib.parse import urlsplit
 
 from trajgen import locks
 from trajgen.sandbox import roots
+from trajgen.sandbox.local import NEW_PRIVILEGES_OFF, bwrap_system_binds
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Guard, check_url
 
+BROWSER_TMP_MB = 1024  # the browser's /tmp: its profile, cache and shared memory files
 MAX_SNAPSHOT_CHARS = 30_000
 MAX_ERROR_CHARS = 500
 NAVIGATION_TIMEOUT_MS = 30_000
@@ -80,29 +84,41 @@ class _Shared:
 
 class _User:
     """Who Chromium runs as when the runner is root: a uid of the sandbox range, held while the
-    worker lives, with a home of its own; `launcher` drops to it (setpriv) and hands it
-    Playwright's profile, so Chromium's own sandbox can stay on."""
+    worker lives. `launcher`, which root runs, is root's own file in a sandbox root of its own
+    (roots.new_root_dir: under root's private directory, swept by a later run if this worker is
+    killed); it starts Chromium in a bubblewrap sandbox of its own (system dirs
+    read-only, a private /tmp holding the profile and HOME, its own PID and IPC namespaces) and
+    drops to the uid there, so Chromium's own sandbox can stay on."""
 
     def __init__(self, chromium: str) -> None:
         self.uid, self._lock = roots.take_uid()
-        self.home = roots.new_root_dir()  # held by lock: swept by a later run if this worker is killed
-        os.chown(self.home, self.uid, self.uid)
-        self.launcher = os.path.join(self.home, "chromium-as-user")
-        with open(self.launcher, "w") as f:
-            f.write(LAUNCHER.format(uid=self.uid, home=shlex.quote(self.home), chromium=shlex.quote(chromium)))
-        os.chmod(self.launcher, 0o755)
+        self.root = roots.new_root_dir()
+        self.launcher = os.path.join(self.root, "chromium")
+        sandbox = [*bwrap_system_binds(), "--size", str(BROWSER_TMP_MB << 20), "--perms", "1777", "--tmpfs", "/tmp",
+                   "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
+                   "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent"]
+        as_uid = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *NEW_PRIVILEGES_OFF]
+        fd = os.open(self.launcher, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o700)
+        with os.fdopen(fd, "w") as f:
+            f.write(LAUNCHER.format(bwrap=shlex.join(["bwrap", *sandbox]), chromium=shlex.join([*as_uid, chromium])))
 
     def close(self) -> None:
-        roots.remove_root(self.home)
-        roots.release_root(self.home)
+        roots.remove_root(self.root)
+        roots.release_root(self.root)
         locks.release(self._lock)
 
 
+# Playwright names a profile in the runner's TMPDIR: its directory is made in the sandbox, where it stays
 LAUNCHER = """#!/bin/sh
-for arg; do case "$arg" in --user-data-dir=*) chown -R {uid}:{uid} "${{arg#--user-data-dir=}}";; esac; done
-export HOME={home}
-exec setpriv --reuid={uid} --regid={uid} --clear-groups --inh-caps=-all --bounding-set=-all -- {chromium} "$@"
+dir=/tmp
+for arg; do case "$arg" in --user-data-dir=*) dir=$(dirname -- "${{arg#--user-data-dir=}}");; esac; done
+exec {bwrap} --perms 1777 --dir "$dir" -- {chromium} "$@"
 """
+
+
+def browser_env(home: str) -> dict[str, str]:
+    """Chromium's whole environment: these names only, nothing else of the runner's."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home}
 
 
 _shared: _Shared | None = None
@@ -139,6 +155,7 @@ async def _browser(settings: ToolSettings) -> Any:
                 shared.user = _User(executable(settings))
             shared.browser = await shared.playwright.chromium.launch(
                 executable_path=shared.user.launcher if shared.user else executable(settings), headless=True,
+                env=browser_env("/tmp" if shared.user else os.path.expanduser("~")),
                 chromium_sandbox=True, args=[*CHROMIUM_ARGS, *([] if settings.allow_private_urls else [NO_OWN_LOOKUPS]),
                       *shlex.split(os.environ.get("TRAJGEN_CHROMIUM_ARGS", ""))],
             )
