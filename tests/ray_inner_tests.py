@@ -296,7 +296,7 @@ def test_cli_ray_sigterm_mid_run_then_resume(cli, scripted_server):
     finally:
         if process.poll() is None:
             kill_group(process)
-    assert process.returncode == 130, stderr
+    assert process.returncode == 143, stderr
     assert not actor_pids()
     landed = {r["conversations"][1]["value"] for p in cli.run_dir().glob("batch_*.jsonl") for r in read_jsonl(p)}
     before = len(server.requests())

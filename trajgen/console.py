@@ -1,6 +1,7 @@
 """Everything the user sees: the progress bar, start-of-run notices and the summary tables."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
@@ -11,7 +12,18 @@ from rich.table import Table
 
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
 
-out = Console(highlight=False)
+
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of stdout is gone (a `| tee` stopped with the run): what is left to say goes on
+        stderr, and the run ends with its own exit status (rich's own handling exits with 1 at once)."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so that the interpreter's last flush does not fail too
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 

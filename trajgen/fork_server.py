@@ -4,15 +4,22 @@ It imports the workers' modules once (a worker of its own would: 0.3 CPU-s each)
 imports nothing of the run's, so that the CLI can start the fork server before it imports them
 itself: the two imports then run side by side, and the workers are ready when the run's
 preparation is done rather than 0.2 s after.
+
+A signal sent to the runner's process group (what `timeout`, systemd and Slurm send) is the
+parent's to act on: the fork server starts with the stop signals blocked and keeps them so, and
+each worker it forks handles them itself (trajgen/workers.py).
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-from multiprocessing import forkserver
+import signal
+from multiprocessing import forkserver, resource_tracker
 from typing import Iterator
 
 from trajgen.options import RunOptions
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})  # each stops a run the same way
 
 
 def start(opts: RunOptions) -> None:
@@ -21,7 +28,20 @@ def start(opts: RunOptions) -> None:
     if opts.forks_workers:
         mp.get_context("forkserver").set_forkserver_preload(["__main__", "trajgen.workers"])
         if not opts.resume:
-            forkserver.ensure_running()
+            ensure_running()
+
+
+def ensure_running() -> None:
+    """Start the fork server unless it runs, with the stop signals blocked, which it keeps for good
+    and its workers inherit until they have their handlers. No signal to this process is lost:
+    they are delivered here once the server has started."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        resource_tracker.ensure_running()  # ignores SIGINT and SIGTERM, then unblocks them here: block again
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

@@ -187,11 +187,14 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     if outcome.fatal:
         console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:")
         return 1
-    if outcome.interrupted:
-        console.stopped("interrupted; resume with:", error=False)
-        return 130
+    if outcome.stopped_by:
+        console.stopped(f"stopped by {outcome.stopped_by.name}: the prompts in flight were cancelled and run again on "
+                        "resume; resume with:", error=False)
+        return scheduler.exit_status(outcome.stopped_by)
     if outcome.budget:
-        console.stopped(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:", error=False)
+        console.stopped(f"stopped: {outcome.budget} reached; this invocation paid {outcome.paid} (failed attempts "
+                        f"and the prompts in flight at the limit included); {outcome.not_run} prompt(s) not run. "
+                        "Resume with:", error=False)
         return 3
     return 1 if outcome.failed else 0
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
+from trajgen.fork_server import STOP_SIGNALS, ensure_running
 from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled,
                               without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
@@ -175,8 +176,15 @@ class _Outbox:
                 pass
 
 
+def _wait_for_the_parent(signum, frame) -> None:
+    """Ctrl-C and a SIGTERM or SIGHUP to the process group are the parent's to act on: it cancels
+    this worker's prompts. A handler, not SIG_IGN: the sandboxes' processes start with the default."""
+
+
 def _worker_main(conn: Connection, config: WorkerConfig, environ: dict[str, str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _wait_for_the_parent)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (trajgen/fork_server.py)
     os.environ.clear()  # the fork server's environment is its start's; a library user may have changed it since
     os.environ.update(environ)
     outbox = _Outbox(conn)
@@ -207,6 +215,7 @@ class ProcessPool:
     def _spawn(self) -> _Handle:
         parent_end, child_end = self.ctx.Pipe()
         process = self.ctx.Process(target=_worker_main, args=(child_end, self.config, dict(os.environ)), daemon=True)
+        ensure_running()  # a resume starts it with its first worker
         process.start()
         child_end.close()
         return _Handle(process, parent_end)
@@ -261,9 +270,13 @@ class ProcessPool:
     def cancel(self, timeout: float = 10.0) -> list[Event]:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
+        waiting = {}
         for w in self.workers:
-            self._send(w, Cancel())
-        waiting = {w.conn: w for w in self.workers}
+            try:
+                self._send(w, Cancel())
+                waiting[w.conn] = w
+            except OSError:  # a dead worker: its prompts are not recorded, resume runs them
+                w.inflight.clear()
         arrived: list[Event] = []
         while waiting:
             ready = wait(list(waiting), timeout)
