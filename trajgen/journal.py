@@ -34,23 +34,22 @@ def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict
 
 
 class Cache:
-    """The cross-run cache: one file per reply, named by the prompt's identity and the request
-    hash (so a prompt repeated in the dataset for more samples is never given its twin's replies),
-    written atomically, so runners sharing the directory never see half an entry. `trim` keeps it
-    under its size."""
+    """The cross-run cache: one file per reply, named by the prompt's identity and the request hash
+    (so a prompt repeated in the dataset for more samples is never given its twin's replies), written
+    atomically, so runners sharing the directory never see half an entry. `trim` keeps it under
+    `max_mb`, and a reply larger than that is never stored. `say(topic, text)` tells the user what
+    it could not do, once per topic."""
 
-    def __init__(self, directory: str):
-        self.dir = Path(directory)
+    def __init__(self, directory: str, max_mb: float, say: Callable[[str, str], None] = lambda topic, text: None):
+        self.dir, self.max_bytes, self.say = Path(directory), int(max_mb * 2**20), say
+        self.said: set[str] = set()
 
     def open(self) -> None:
-        """Create the directory, or say in one line why it cannot be used."""
+        """Create the directory, or say in one line why it cannot be."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
         except OSError as e:
-            raise UsageError(f"--cache_dir {self.dir} cannot be written: {e.strerror or e}") from None
+            raise UsageError(f"--cache_dir {self.dir} cannot be created: {e.strerror or e}") from None
 
     def path(self, key: str, digest: str) -> Path:
         name = hashlib.sha256(f"{key}:{digest}".encode()).hexdigest()
@@ -60,26 +59,44 @@ class Cache:
         path = self.path(key, digest)
         try:
             entry = orjson.loads(path.read_bytes())
+        except (OSError, ValueError):  # absent, or damaged: ask the endpoint
+            return None
+        try:
             os.utime(path)  # recently used: trimmed last
+        except OSError:  # a cache shared read-only: its replies are used all the same
+            pass
+        try:
             return _reply(entry)
-        except (OSError, ValueError, KeyError, TypeError):  # absent, or damaged: ask the endpoint
+        except (KeyError, TypeError):
             return None
 
     def put(self, key: str, digest: str, reply: Reply) -> None:
         """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt."""
+        data = orjson.dumps(_record(reply))
+        if len(data) > self.max_bytes:
+            self._once("too large", f"a reply of {len(data) / 2**20:.1f} MB is larger than the whole cache "
+                                    f"(--cache_max_mb={self.max_bytes / 2**20:g}): not cached, nor any reply that large")
+            return
         path = self.path(key, digest)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            store.atomic_write(path, orjson.dumps(_record(reply)))
-        except (OSError, DiskFull):
-            pass
+            store.atomic_write(path, data)
+        except (OSError, DiskFull) as e:
+            why = e.__cause__ if isinstance(e, DiskFull) else e
+            self._once("unwritable", f"--cache_dir {self.dir} cannot be written ({why.strerror or why}): "
+                                     "the replies of this run are not kept for the next")
 
-    def trim(self, max_bytes: int) -> None:
+    def _once(self, topic: str, text: str) -> None:
+        if topic not in self.said:
+            self.said.add(topic)
+            self.say(f"cache {topic}", text)
+
+    def trim(self) -> None:
         """Delete the least recently used entries until the cache fits; one trimmer at a time."""
         try:
             fd = locks.acquire(self.dir / ".trim.lock")
         except (locks.LockHeld, OSError):
-            return  # another runner is trimming it now, or the directory is gone
+            return  # another runner is trimming it now, or the directory cannot be written
         try:
             entries = []
             for path in self.dir.glob("??/*.json"):
@@ -87,10 +104,14 @@ class Cache:
                     st = path.stat()
                 except FileNotFoundError:
                     continue
-                entries.append((st.st_mtime, st.st_size, path))
-            total = sum(size for _, size, _ in entries)
-            for _, size, path in sorted(entries):
-                if total <= max_bytes:
+                entries.append((st.st_mtime_ns, st.st_size, path))
+            for _, size, path in entries:
+                if size > self.max_bytes:  # stored under a larger --cache_max_mb: it could never fit
+                    path.unlink(missing_ok=True)
+            fits = sorted(e for e in entries if e[1] <= self.max_bytes)  # least recently used first
+            total = sum(size for _, size, _ in fits)
+            for _, size, path in fits:
+                if total <= self.max_bytes:
                     break
                 path.unlink(missing_ok=True)
                 total -= size

@@ -57,11 +57,20 @@ class Log:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Something the user should know that does not stop anything: said once per run per topic,
+    whichever worker says it first."""
+
+    topic: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Cancelled:
     pass
 
 
-Event = Finished | Replied | Throttled | Fatal | Log | Cancelled
+Event = Finished | Replied | Throttled | Fatal | Log | Notice | Cancelled
 
 
 def without_landed_replies(events: list[Event]) -> list[Event]:

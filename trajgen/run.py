@@ -152,7 +152,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir, opts.verify_timeout)
+                          opts.verbose, opts.cache_dir, opts.verify_timeout, opts.cache_max_mb)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -162,13 +162,13 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
                              tuple(prepared.plan.images), opts.require_toolsets)
     limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
                               opts.max_total_tokens, health_check)
-    cache = journal.Cache(opts.cache_dir) if opts.cache_dir else None
+    cache = journal.Cache(opts.cache_dir, opts.cache_max_mb) if opts.cache_dir else None
     if cache:
         cache.open()
     run = scheduler.Scheduler(prepared.plan, pool, limits, run_dir, missing_images, previous, started)
     end = run.execute(prepared.tasks(), on_exit=lambda: cleanup(sandbox))
     if cache:
-        cache.trim(int(opts.cache_max_mb * 2**20))
+        cache.trim()
     return end, previous
 
 

@@ -18,7 +18,7 @@ import orjson
 from trajgen import console, journal, store
 from trajgen.fork_server import STOP_SIGNALS
 from trajgen.errors import ImageUnavailable, RunStopped
-from trajgen.messages import Event, Fatal, Finished, Log, Replied, Throttled
+from trajgen.messages import Event, Fatal, Finished, Log, Notice, Replied, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
@@ -133,6 +133,7 @@ class Scheduler:
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
+        self.noticed: set[str] = set()  # the topics of the notices said
 
     def checkpoint(self) -> dict:
         return {
@@ -195,6 +196,9 @@ class Scheduler:
                 self.end.fatal = self.end.fatal or reason
             case Log(text):
                 console.err.print(text)
+            case Notice(topic, text) if topic not in self.noticed:
+                self.noticed.add(topic)
+                console.notice(text)
 
     def should_stop(self, signals: _Signals) -> bool:
         """Stop admitting on a limit; leave the loop at once on a signal, a fatal error or when all is back."""
