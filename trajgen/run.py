@@ -40,6 +40,7 @@ class Prepared:
     unavailable_tools: dict[str, str]
     unavailable_sets: dict[str, str]
     plan: Plan
+    not_in_dataset: int = 0  # rows and discards of prompts the dataset no longer has (a resume with another file)
 
     def tasks(self) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset (once to count, once to run)."""
@@ -133,6 +134,7 @@ def prepare(opts: RunOptions) -> Prepared:
                         unavailable_tools, unavailable_sets, Plan())
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
                                                         opts.docker_image if runs_images(opts.backend) else None))
+    prepared = replace(prepared, not_in_dataset=_dataset_change(prepared))
     _say_what_is_missing(prepared)
     for line in opts.request_extras()[2]:
         console.notice(f"sending {line}")
@@ -178,12 +180,15 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
-        "remaining_not_run": outcome.not_run, "invalid_lines_skipped": check.error_count,
+        "remaining_not_run": outcome.not_run, "records_not_in_dataset": prepared.not_in_dataset,
+        "invalid_lines_skipped": check.error_count,
         "duration_seconds": round(time.monotonic() - started, 3),
         "duration_seconds_total": round(previous + time.monotonic() - started, 3),
     })
     store.write_json(prepared.run_dir / merge.STATISTICS, stats)
     console.summary(stats)
+    for path in export.stale(prepared.run_dir):
+        console.notice(f"{path} was exported before this merge and is stale: run --export again")
     if outcome.fatal:
         console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:")
         return 1
@@ -250,6 +255,29 @@ def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
         if changed:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
+
+
+def _dataset_change(prepared: Prepared) -> int:
+    """On a resume with another dataset file, or the same file edited, say in one line what changed;
+    refuse (without --force) a dataset that shares no prompt with the run. Returns how many records
+    (rows and discards) belong to prompts the dataset no longer has."""
+    opts, check, done = prepared.opts, prepared.check, prepared.scan.done
+    in_dataset = check.valid * opts.samples_per_prompt - prepared.plan.remaining  # of the dataset's samples
+    try:
+        before = store.read_json(prepared.run_dir / "manifest.json").get("dataset") or {}
+    except (FileNotFoundError, store.UnreadableFile):  # a new run; or --force writes it again
+        before = {}
+    if not done or (before.get("path"), before.get("fingerprint")) == (opts.dataset_file, check.fingerprint):
+        return len(done) - in_dataset
+    if not in_dataset and not opts.force:
+        raise UsageError(f"{opts.dataset_file} shares no prompt with run {opts.run_name}, whose {len(done)} done "
+                         f"came from {before.get('path', 'another dataset')}: pass --force to add its prompts "
+                         "to this run anyway, or choose another --run_name")
+    console.notice(f"the dataset changed since the last invocation: {before.get('path', 'unknown')} "
+                   f"({before.get('prompts', '?')} prompts) -> {opts.dataset_file} ({check.valid} prompts), "
+                   f"{in_dataset} of its samples already done; {len(done) - in_dataset} rows (and discards) of "
+                   "prompts no longer in it stay in the run (statistics.json: records_not_in_dataset)")
+    return len(done) - in_dataset
 
 
 def _say_what_is_missing(prepared: Prepared) -> None:
