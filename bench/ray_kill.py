@@ -58,6 +58,10 @@ def rows(run_dir: Path) -> int:
     return sum(1 for p in run_dir.glob("batch_*.jsonl") for _ in p.open()) if run_dir.exists() else 0
 
 
+class NotStarted(Exception):
+    """The run ended before the kill: Ray did not start on a loaded machine (the trial is run again)."""
+
+
 def trial(work: Path) -> tuple[int, int]:
     """(replies paid twice, calls in flight at the kill) of one run."""
     work.mkdir()
@@ -71,7 +75,7 @@ def trial(work: Path) -> tuple[int, int]:
         run_dir = work / "data" / "r"
         while rows(run_dir) < RUN_ROWS:
             if process.poll() is not None:
-                raise SystemExit(f"the run ended before the kill: {process.stderr.read()[-2000:]}")
+                raise NotStarted(process.stderr.read()[-300:].strip())
             time.sleep(0.02)
         killed_at = time.time()
         os.kill(actor_pids()[0], signal.SIGKILL)
@@ -124,7 +128,14 @@ def main() -> None:
     try:
         results = []
         for n in range(args.trials):
-            results.append(trial(base / str(n)))
+            for attempt in range(3):
+                try:
+                    results.append(trial(base / f"{n}-{attempt}"))
+                    break
+                except NotStarted as e:
+                    print(f"trial {n}: the run ended before the kill, again: {e}", flush=True)
+            else:
+                raise SystemExit(f"trial {n} never reached the kill")
             print(f"trial {n}: paid twice {results[-1][0]}, in flight at the kill {results[-1][1]}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -197,9 +197,9 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
                         "resume; resume with:", error=False)
         return scheduler.exit_status(outcome.stopped_by)
     if outcome.budget:
-        console.stopped(f"stopped: {outcome.budget} reached; this invocation paid {outcome.paid} (failed attempts "
-                        f"and the prompts in flight at the limit included); {outcome.not_run} prompt(s) not run. "
-                        "Resume with:", error=False)
+        console.stopped(f"stopped: {outcome.budget} reached; this invocation paid ${outcome.paid_cost:.4f}, "
+                        f"{outcome.paid_tokens} tokens (failed attempts and the prompts in flight at the limit "
+                        f"included); {outcome.not_run} prompt(s) not run. Resume with:", error=False)
         return 3
     return 1 if outcome.failed else 0
 

@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Protocol
 import orjson
 
 from trajgen import console, journal, store
-from trajgen.fork_server import STOP_SIGNALS
 from trajgen.errors import ImageUnavailable, RunStopped
+from trajgen.fork_server import STOP_SIGNALS
 from trajgen.messages import Event, Fatal, Finished, Log, Notice, Replied, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
@@ -59,7 +59,8 @@ class RunEnd:
     stopped_by: signal.Signals | None = None  # the signal that stopped the run
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
     budget: str | None = None  # which spend limit stopped the run: `--max_cost=0.5`
-    paid: str = ""  # what this invocation paid, prompts that finished after the stop included: `$0.0200, 60 tokens`
+    paid_cost: float = 0.0  # what this invocation paid, prompts that finished after a stop included
+    paid_tokens: int = 0
 
 
 def now() -> str:
@@ -111,9 +112,6 @@ class _Spend:
         if s.max_total_tokens is not None and self.tokens >= s.max_total_tokens:
             return f"--max_total_tokens={s.max_total_tokens}"
         return None
-
-    def paid(self) -> str:
-        return f"${self.cost:.4f}, {self.tokens} tokens"
 
 
 class Scheduler:
@@ -238,7 +236,7 @@ class Scheduler:
             self.writer.close(self.checkpoint())
             signals.restore()
         self.end.stopped_by = signals.first
-        self.end.paid = self.spend.paid()
+        self.end.paid_cost, self.end.paid_tokens = self.spend.cost, self.spend.tokens
         self.end.failed = self.counts["failed"]
         self.end.not_run = self.plan.remaining - sum(self.counts.values())
         return self.end
