@@ -5,7 +5,7 @@ import json
 from typing import Callable
 
 from trajgen import merge, scheduler, store
-from trajgen.errors import FatalAPIError
+from trajgen.errors import FatalAPIError, WorkerCrashed
 from trajgen.messages import Event, Fatal, Finished
 from trajgen.outcome import decide
 from trajgen.plan import Plan
@@ -112,3 +112,13 @@ def test_the_spend_limit_stops_admitting_but_lets_prompts_in_flight_finish(tmp_p
     end = run(tmp_path, 10, executor, concurrency=3, max_cost=2.5)
     assert end.budget == "--max_cost=2.5" and (end.paid_cost, end.paid_tokens) == (3.0, 45) and end.failed == 0
     assert len(executor.submitted) == 3 and end.not_run == 7
+
+
+def test_an_executor_left_without_workers_stops_the_run_like_a_fatal_error(tmp_path):
+    class Gone(AnsweringExecutor):
+        def poll(self, timeout: float) -> list[Event]:
+            raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
+
+    end = run(tmp_path, 4, Gone(lambda t: []), concurrency=2)
+    assert end.fatal == "every Ray worker is gone for good; see the messages above"
+    assert end.failed == 2 and end.not_run == 2  # the prompts it held are recorded, the rest wait for a resume

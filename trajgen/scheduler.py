@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Protocol
 import orjson
 
 from trajgen import console, journal, store
-from trajgen.errors import ImageUnavailable, RunStopped
+from trajgen.errors import ImageUnavailable, RunStopped, WorkerCrashed
 from trajgen.fork_server import STOP_SIGNALS
 from trajgen.messages import Event, Fatal, Finished, Log, Notice, Replied, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
@@ -219,7 +219,11 @@ class Scheduler:
                 while not self.should_stop(signals):
                     if self.end.budget is None:
                         self.admit(tasks)
-                    for event in self.pool.poll(POLL_SECONDS):
+                    try:
+                        events = self.pool.poll(POLL_SECONDS)
+                    except WorkerCrashed as e:  # no worker left to run anything: a stop like a fatal endpoint error
+                        events, self.end.fatal = [], str(e)
+                    for event in events:
                         self.handle(event)
                     done = sum(self.counts.values())
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
