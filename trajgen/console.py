@@ -104,7 +104,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("filtered (verify not passed)", stats["filtered_not_passed"]),
         ("failed (resume retries)", ", ".join(f"{k} {v}" for k, v in failed["by_class"].items()) or 0),
         ("not yet run", stats["remaining_not_run"]),
-        *([("of prompts no longer in the dataset", stats["records_not_in_dataset"])]
+        *([("rows of prompts no longer in the dataset", stats["records_not_in_dataset"])]
           if stats.get("records_not_in_dataset") else []),
         ("api calls", stats["api_calls"]),
         ("tokens prompt / completion / reasoning",
