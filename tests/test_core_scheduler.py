@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from typing import Callable
 
 from trajgen import merge, scheduler, store
@@ -122,3 +123,13 @@ def test_an_executor_left_without_workers_stops_the_run_like_a_fatal_error(tmp_p
     end = run(tmp_path, 4, Gone(lambda t: []), concurrency=2)
     assert end.fatal == "every Ray worker is gone for good; see the messages above"
     assert end.failed == 2 and end.not_run == 2  # the prompts it held are recorded, the rest wait for a resume
+
+
+def test_a_run_under_nohup_keeps_ignoring_sighup():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        handlers = scheduler._Signals(lambda first: None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is handlers
+        handlers.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -74,12 +74,13 @@ def exit_status(sig: signal.Signals) -> int:
 
 class _Signals:
     """The first SIGINT, SIGTERM or SIGHUP stops cleanly; a second leaves at once (files are
-    consistent at every moment)."""
+    consistent at every moment). A SIGHUP ignored from the start (`nohup`) stays ignored."""
 
     def __init__(self, on_second: Callable[[signal.Signals], None]):
         self.first: signal.Signals | None = None
         self.on_second = on_second
-        self.previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        self.previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS if not (nohup and sig == signal.SIGHUP)}
 
     def __call__(self, signum, frame) -> None:
         if self.first is None:
