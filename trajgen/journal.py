@@ -20,7 +20,7 @@ import orjson
 
 from trajgen import llm, locks, store
 from trajgen.errors import DiskFull, UsageError
-from trajgen.messages import Event, Replied
+from trajgen.messages import Event, Notice, Replied
 from trajgen.model import USAGE_KEYS, ModelClient, Reply
 from trajgen.work import ModelSettings, Task
 
@@ -37,12 +37,11 @@ class Cache:
     """The cross-run cache: one file per reply, named by the prompt's identity and the request hash
     (so a prompt repeated in the dataset for more samples is never given its twin's replies), written
     atomically, so runners sharing the directory never see half an entry. `trim` keeps it under
-    `max_mb`, and a reply larger than that is never stored. `say(topic, text)` tells the user what
-    it could not do, once per topic."""
+    `max_mb`, and a reply larger than that is never stored."""
 
-    def __init__(self, directory: str, max_mb: float, say: Callable[[str, str], None] = lambda topic, text: None):
-        self.dir, self.max_bytes, self.say = Path(directory), int(max_mb * 2**20), say
-        self.said: set[str] = set()
+    def __init__(self, directory: str, max_mb: float):
+        self.dir, self.max_bytes = Path(directory), int(max_mb * 2**20)
+        self.said: set[str] = set()  # the topics of the notices `put` returned
 
     def open(self) -> None:
         """Create the directory, or say in one line why it cannot be."""
@@ -70,26 +69,29 @@ class Cache:
         except (KeyError, TypeError):
             return None
 
-    def put(self, key: str, digest: str, reply: Reply) -> None:
-        """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt."""
+    def put(self, key: str, digest: str, reply: Reply) -> Notice | None:
+        """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt;
+        what it could not do is returned, once per kind, for the user."""
         data = orjson.dumps(_record(reply))
         if len(data) > self.max_bytes:
-            self._once("too large", f"a reply of {len(data) / 2**20:.1f} MB is larger than the whole cache "
-                                    f"(--cache_max_mb={self.max_bytes / 2**20:g}): not cached, nor any reply that large")
-            return
+            return self._once("cache too large", f"a reply of {len(data) / 2**20:.1f} MB is larger than the whole "
+                                                 f"cache (--cache_max_mb={self.max_bytes / 2**20:g}): not cached, "
+                                                 "nor any reply that large")
         path = self.path(key, digest)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             store.atomic_write(path, data)
         except (OSError, DiskFull) as e:
             why = e.__cause__ if isinstance(e, DiskFull) else e
-            self._once("unwritable", f"--cache_dir {self.dir} cannot be written ({why.strerror or why}): "
-                                     "the replies of this run are not kept for the next")
+            return self._once("cache unwritable", f"--cache_dir {self.dir} cannot be written ({why.strerror or why}): "
+                                                  "the replies of this run are not kept for the next")
+        return None
 
-    def _once(self, topic: str, text: str) -> None:
-        if topic not in self.said:
-            self.said.add(topic)
-            self.say(f"cache {topic}", text)
+    def _once(self, topic: str, text: str) -> Notice | None:
+        if topic in self.said:
+            return None
+        self.said.add(topic)
+        return Notice(topic, text)
 
     def trim(self) -> None:
         """Delete the least recently used entries until the cache fits; one trimmer at a time."""
@@ -144,8 +146,8 @@ class JournalModel:
             return reply
         reply = await self.model.complete(messages, tools, forbid_tools)
         self.send(Replied(self.key, turn, digest, reply))
-        if self.cache is not None:
-            await asyncio.to_thread(self.cache.put, self.key, digest, reply)
+        if self.cache is not None and (notice := await asyncio.to_thread(self.cache.put, self.key, digest, reply)):
+            self.send(notice)
         return reply
 
     def _count(self, reply: Reply) -> None:

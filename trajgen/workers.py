@@ -20,7 +20,7 @@ from typing import Callable
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.fork_server import STOP_SIGNALS, ensure_running
-from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Notice, Stop, Submit, Throttled,
+from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Stop, Submit, Throttled,
                               without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
@@ -61,8 +61,7 @@ class _Worker:
         self.config, self.send = config, send
         self.endpoint = llm.Endpoint(config.model, config.concurrency)
         self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()))
-        self.cache = (journal.Cache(config.cache_dir, config.cache_max_mb, lambda *notice: self.send(Notice(*notice)))
-                      if config.cache_dir else None)
+        self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
 
