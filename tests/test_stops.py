@@ -49,7 +49,10 @@ def test_a_signal_to_the_process_group_cancels_and_the_resume_pays_nothing_twice
     server = scripted_server({"default": SLOW_TOOL})
     names = [f"prompt {i}" for i in range(16)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    process = cli.start(*cli.args(server, batch_size=4, concurrency=4))
+    # as a terminal starts it: SIGHUP not ignored, whatever this test's own (nohup) disposition
+    process = subprocess.Popen(cli.command(*cli.args(server, batch_size=4, concurrency=4)), cwd=cli.cwd, env=cli.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         _wait_for(lambda: _rows(cli.run_dir()) >= 4, what="4 rows")
         stopped_at = time.time()
