@@ -7,7 +7,9 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -73,19 +75,38 @@ def test_a_signal_to_the_process_group_cancels_and_the_resume_pays_nothing_twice
     assert _paid_twice(server, stopped_at) == []
 
 
+def _closing_endpoint() -> tuple[SimpleNamespace, list[int], socket.socket]:
+    """An endpoint that closes every connection it accepts: each call fails and is retried."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed by the test
+                return
+            accepted.append(1)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return SimpleNamespace(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1"), accepted, listener
+
+
 def test_sigterm_during_retries_against_a_dead_endpoint_prints_the_summary_and_the_resume_line(cli):
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
-    dead = SimpleNamespace(url="http://127.0.0.1:9/v1")  # the discard port: nothing listens, every call is retried
+    dead, accepted, listener = _closing_endpoint()
     process = subprocess.Popen(cli.command(*cli.args(dead, max_retries=10)), cwd=cli.cwd, env=cli.env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: (cli.run_dir() / "manifest.json").exists(), what="a started run")
-        time.sleep(1)  # the workers are in their retry waits
+        _wait_for(lambda: len(accepted) >= 8, what="calls being retried")  # every prompt's call, and retries
         process.stdout.close()  # the reader of stdout is gone, as a `| tee` stopped with the run
         os.killpg(process.pid, signal.SIGTERM)
         stderr = process.stderr.read()
         process.wait(timeout=60)
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+        listener.close()
         if process.poll() is None:
             kill_group(process)
     assert process.returncode == 143, stderr
