@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -263,20 +264,31 @@ def test_cli_ray_run_matches_the_process_pool_and_resumes(cli, scripted_server):
 
 
 def test_cli_ray_actor_killed_mid_run_loses_and_repeats_nothing(cli, scripted_server):
-    server = scripted_server({"default": SLOW})
+    delay = 0.4
+    turn = {**call("terminal", command="echo hi"), "delay": delay}
+    server = scripted_server({"default": [turn, turn, {**think(), "delay": delay}]})
     names = [f"prompt {i}" for i in range(30)]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     process = cli.start(*cli.args(server, batch_size=5, concurrency=8, executor="ray"))
     try:
         wait_for(lambda: rows_landed(cli.run_dir()) >= 5, what="5 rows")
         assert_actors_without_uvloop()  # a private instance's actors, which inherit it from the driver
-        os.kill(wait_for(actor_pids, what="an actor")[0], signal.SIGKILL)
+        victim = wait_for(actor_pids, what="an actor")[0]
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
         _, stderr = process.communicate(timeout=180)
     finally:
         if process.poll() is None:
             kill_group(process)
     assert process.returncode == 0, stderr
     assert "died" in stderr and "gone for good" not in stderr  # Ray restarted the actor
+    # the lost prompts ran again on the restarted actor, replaying the replies the driver had journaled:
+    # only a call in flight at the kill (answered after it, at the latest `delay` s after it arrived) was paid twice
+    first: dict[tuple[str, int], float] = {}
+    for r in server.requests():
+        first.setdefault((r["prompt"], r["turn"]), r["t"])
+    asked = Counter((r["prompt"], r["turn"]) for r in server.requests())
+    assert [key for key, n in asked.items() if n > 1 and first[key] < killed_at - delay - 0.1] == []
     rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
     assert sorted(prompts_of(rows)) == sorted(names)  # each exactly once: the lost prompts ran again
     assert read_jsonl(cli.run_dir() / "failures.jsonl") == []
@@ -296,7 +308,7 @@ def test_cli_ray_sigterm_mid_run_then_resume(cli, scripted_server):
     finally:
         if process.poll() is None:
             kill_group(process)
-    assert process.returncode == 130, stderr
+    assert process.returncode == 143, stderr
     assert not actor_pids()
     landed = {r["conversations"][1]["value"] for p in cli.run_dir().glob("batch_*.jsonl") for r in read_jsonl(p)}
     before = len(server.requests())

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import signal
 from typing import Callable
 
 from trajgen import merge, scheduler, store
-from trajgen.errors import EndpointUnreachable, FatalAPIError
+from trajgen.errors import EndpointUnreachable, FatalAPIError, WorkerCrashed
 from trajgen.messages import Event, Fatal, Finished, Replied, Retrying
 from trajgen.model import Reply
 from trajgen.outcome import decide
@@ -153,5 +154,25 @@ def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_
 def test_the_spend_limit_stops_admitting_but_lets_prompts_in_flight_finish(tmp_path):
     executor = AnsweringExecutor(lambda t: [Finished(decide(t, row=row(t, cost=1.0)))])
     end = run(tmp_path, 10, executor, concurrency=3, max_cost=2.5)
-    assert end.budget.startswith("--max_cost=2.5 reached") and end.failed == 0
+    assert end.budget == "--max_cost=2.5" and (end.paid_cost, end.paid_tokens) == (3.0, 45) and end.failed == 0
     assert len(executor.submitted) == 3 and end.not_run == 7
+
+
+def test_an_executor_left_without_workers_stops_the_run_like_a_fatal_error(tmp_path):
+    class Gone(AnsweringExecutor):
+        def poll(self, timeout: float) -> list[Event]:
+            raise WorkerCrashed("every Ray worker is gone for good; see the messages above")
+
+    end = run(tmp_path, 4, Gone(lambda t: []), concurrency=2)
+    assert end.fatal == "every Ray worker is gone for good; see the messages above"
+    assert end.failed == 2 and end.not_run == 2  # the prompts it held are recorded, the rest wait for a resume
+
+
+def test_a_run_under_nohup_keeps_ignoring_sighup():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        handlers = scheduler._Signals(lambda first: None)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is handlers
+        handlers.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)

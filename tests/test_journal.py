@@ -6,9 +6,12 @@ opt-in cross-run cache."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections import Counter
 
 import orjson
+import pytest
 
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
 from tests.test_hardening import _asked, _wait_for
@@ -218,3 +221,70 @@ def test_a_settled_batch_file_is_read_by_the_prefix_store_writes_whatever_the_ro
     assert list(store.row_keys(tmp_path, [])) == ["a", "b"]
     assert [r["metadata"] for r in store.read_records(tmp_path / "batch_0.jsonl", [])] == [
         {"prompt_key": "a", "model": "m"}, {"prompt_key": "b", "model": "m"}]
+
+
+def test_one_reply_larger_than_the_cache_is_not_stored_and_the_others_stay(cli, scripted_server, tmp_path):
+    big = "x" * (3 * 2**19)  # 1.5 MB: larger than the whole cache of --cache_max_mb=1
+    server = scripted_server({"default": [think()], "prompts": {"big": [think(big)]}})
+    names = ["big", *(f"small {i}" for i in range(8))]
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    cache = tmp_path / "cache"
+    first = cli.run(*cli.args(server, cache_dir=cache, cache_max_mb=1))
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("larger than the whole cache (--cache_max_mb=1)") == 1  # two workers, said once
+    assert len(list(cache.glob("??/*.json"))) == 8
+    again = cli.run(*cli.args(server, run_name="again", cache_dir=cache, cache_max_mb=1))
+    assert again.returncode == 0, again.stderr
+    assert [r["prompt"] for r in server.requests()[len(names):]] == ["big"]  # the small replies came from the cache
+
+
+def test_the_trim_deletes_the_least_recently_used_entries_down_to_the_limit(tmp_path):
+    cache = journal.Cache(str(tmp_path), max_mb=2.5)
+    reply = Reply({"role": "assistant", "content": "x" * 2**20}, {"prompt_tokens": 1, "completion_tokens": 1}, {})
+    for age, key in enumerate(["newest", "used", "old", "oldest"]):
+        cache.put(key, "h", reply)
+        os.utime(cache.path(key, "h"), (1e9 - age, 1e9 - age))
+    too_large = cache.path("stored under a larger limit", "h")
+    too_large.parent.mkdir(exist_ok=True)
+    too_large.write_bytes(b"x" * 3 * 2**20)
+    assert cache.get("old", "h") is not None  # a use makes it the most recent
+    cache.trim()
+    assert sorted(p.name for p in tmp_path.glob("??/*.json")) == sorted(cache.path(k, "h").name for k in ("newest", "old"))
+
+
+def test_a_read_only_cache_is_used_and_said_once_not_refused(cli, scripted_server, tmp_path):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(cache)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        done = cli.run(*cli.args(server, cache_dir=cache))
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count(f"--cache_dir {cache} cannot be written (Read-only file system)") == 1
+    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 6
+
+
+def test_an_unreadable_journal_line_is_said_once_and_its_reply_asked_again(cli, scripted_server):
+    refused = {"status": 400, "error": "refused", "times": 1, "then": think()}
+    server = scripted_server({"default": [_turn("echo a", "a-c0"), refused]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    failed = cli.run(*cli.args(server))
+    assert failed.returncode == 1, failed.stderr  # each prompt failed after one paid reply, which is journaled
+    entries = (cli.run_dir() / store.JOURNAL).read_bytes().splitlines(keepends=True)
+    assert len(entries) == 2
+    (cli.run_dir() / store.JOURNAL).write_bytes(b"not json\n" + entries[1] + entries[0][:40])  # damaged, kept, torn
+    before = len(server.requests())
+    resumed = cli.run(*cli.args(server, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.count("journal.jsonl has 2 unreadable line(s)") == 1
+    assert "will be asked for, and paid for, again" in resumed.stderr
+    asked = sorted((r["prompt"], r["turn"]) for r in server.requests()[before:])
+    kept = {f["prompt_key"]: "ab"[f["prompt_index"]] for f in read_jsonl(cli.run_dir() / "failures.jsonl")}[
+        json.loads(entries[1])["key"]]
+    damaged = ({"a", "b"} - {kept}).pop()
+    assert asked == sorted([(damaged, 0), (damaged, 1), (kept, 1)])

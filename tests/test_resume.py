@@ -248,3 +248,31 @@ def test_resuming_a_finished_run_starts_no_worker_and_no_cluster(cli, scripted_s
     assert done.returncode == 0, done.stderr
     assert len(server.requests()) == 2
     assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["a", "b"]
+
+
+def test_a_resume_with_another_dataset_file_says_what_changed_and_refuses_a_disjoint_one(cli, scripted_server):
+    server = scripted_server({"default": [think()]})
+    names = [f"prompt {i}" for i in range(20)]
+    write_jsonl(cli.cwd / "first.jsonl", [{"prompt": n} for n in names])
+    assert cli.run(*cli.args(server, dataset_file="first.jsonl")).returncode == 0
+    exported = cli.run("--export=sharegpt", "--run_name=run")
+    assert exported.returncode == 0, exported.stderr
+    write_jsonl(cli.cwd / "second.jsonl", [{"prompt": "prompt 3"}, {"prompt": "new"}])
+    before = len(server.requests())
+    done = cli.run(*cli.args(server, dataset_file="second.jsonl", resume=True))
+    assert done.returncode == 0, done.stderr
+    assert ("the dataset changed since the last invocation: first.jsonl (20 prompts) -> second.jsonl (2 prompts), "
+            "1 of its samples already done; 19 rows (and discards) of prompts no longer in it stay") in done.stderr
+    assert [r["prompt"] for r in server.requests()[before:]] == ["new"]
+    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    assert (statistics["total_prompts"], statistics["ok"], statistics["records_not_in_dataset"]) == (2, 21, 19)
+    assert statistics["remaining_not_run"] == 0
+    assert "data/run/export_sharegpt.jsonl was exported before this merge and is stale" in done.stderr
+
+    write_jsonl(cli.cwd / "other.jsonl", [{"prompt": "unrelated 1"}, {"prompt": "unrelated 2"}])
+    refused = cli.run(*cli.args(server, dataset_file="other.jsonl", resume=True))
+    assert refused.returncode == 2 and "other.jsonl shares no prompt with run run" in refused.stderr
+    assert len(server.requests()) == before + 1
+    forced = cli.run(*cli.args(server, dataset_file="other.jsonl", resume=True, force=True))
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((cli.run_dir() / "statistics.json").read_text())["records_not_in_dataset"] == 21

@@ -13,7 +13,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-out = Console(highlight=False)
+
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of stdout is gone (a `| tee` stopped with the run): what is left to say goes on
+        stderr, and the run ends with its own exit status (rich's own handling exits with 1 at once)."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so that the interpreter's last flush does not fail too
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
@@ -129,6 +140,8 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("filtered (verify not passed)", stats["filtered_not_passed"]),
         ("failed (resume retries)", ", ".join(f"{k} {v}" for k, v in failed["by_class"].items()) or 0),
         ("not yet run", stats["remaining_not_run"]),
+        *([("rows of prompts no longer in the dataset", stats["records_not_in_dataset"])]
+          if stats.get("records_not_in_dataset") else []),
         ("api calls", stats["api_calls"]),
         ("tokens prompt / completion / reasoning",
          " / ".join(str(stats["tokens"][k]) for k in ("prompt", "completion", "reasoning"))),

@@ -106,21 +106,34 @@ def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None) -> Iterat
             }
 
 
+def target(run_dir: Path, fmt: str) -> Path:
+    return run_dir / ("export.parquet" if fmt == "parquet" else f"export_{fmt}.jsonl")
+
+
+def stale(run_dir: Path) -> list[Path]:
+    """The exports written before trajectories.jsonl last changed (a merge after a resume)."""
+    try:
+        merged = (run_dir / "trajectories.jsonl").stat().st_mtime_ns
+    except FileNotFoundError:
+        return []
+    return [path for fmt in FORMATS if (path := target(run_dir, fmt)).exists() and path.stat().st_mtime_ns < merged]
+
+
 def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None) -> tuple[Path, int]:
     """Write `export_<fmt>.jsonl` (or `export.parquet`) beside the run's files, atomically;
     `selected`: only rows with these verdicts."""
     if not (run_dir / "trajectories.jsonl").exists():
         raise FileNotFoundError(f"{run_dir}/trajectories.jsonl: no finished run to export")
-    target = run_dir / ("export.parquet" if fmt == "parquet" else f"export_{fmt}.jsonl")
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{target.name}.")
+    path = target(run_dir, fmt)
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.")
     os.close(fd)
     try:
         count = _write_parquet(run_dir, tmp, selected) if fmt == "parquet" else _write_jsonl(run_dir, fmt, tmp, selected)
-        os.replace(tmp, target)
+        os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
-    return target, count
+    return path, count
 
 
 def _write_jsonl(run_dir: Path, fmt: str, tmp: str, selected: frozenset[str] | None) -> int:

@@ -20,7 +20,7 @@ import orjson
 
 from trajgen import llm, locks, store
 from trajgen.errors import DiskFull, UsageError
-from trajgen.messages import Event, Replied
+from trajgen.messages import Event, Notice, Replied
 from trajgen.model import USAGE_KEYS, ModelClient, Reply
 from trajgen.work import ModelSettings, Task
 
@@ -34,23 +34,21 @@ def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict
 
 
 class Cache:
-    """The cross-run cache: one file per reply, named by the prompt's identity and the request
-    hash (so a prompt repeated in the dataset for more samples is never given its twin's replies),
-    written atomically, so runners sharing the directory never see half an entry. `trim` keeps it
-    under its size."""
+    """The cross-run cache: one file per reply, named by the prompt's identity and the request hash
+    (so a prompt repeated in the dataset for more samples is never given its twin's replies), written
+    atomically, so runners sharing the directory never see half an entry. `trim` keeps it under
+    `max_mb`, and a reply larger than that is never stored."""
 
-    def __init__(self, directory: str):
-        self.dir = Path(directory)
+    def __init__(self, directory: str, max_mb: float):
+        self.dir, self.max_bytes = Path(directory), int(max_mb * 2**20)
+        self.said: set[str] = set()  # the topics of the notices `put` returned
 
     def open(self) -> None:
-        """Create the directory, or say in one line why it cannot be used."""
+        """Create the directory, or say in one line why it cannot be."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
         except OSError as e:
-            raise UsageError(f"--cache_dir {self.dir} cannot be written: {e.strerror or e}") from None
+            raise UsageError(f"--cache_dir {self.dir} cannot be created: {e.strerror or e}") from None
 
     def path(self, key: str, digest: str) -> Path:
         name = hashlib.sha256(f"{key}:{digest}".encode()).hexdigest()
@@ -60,26 +58,47 @@ class Cache:
         path = self.path(key, digest)
         try:
             entry = orjson.loads(path.read_bytes())
+        except (OSError, ValueError):  # absent, or damaged: ask the endpoint
+            return None
+        try:
             os.utime(path)  # recently used: trimmed last
+        except OSError:  # a cache shared read-only: its replies are used all the same
+            pass
+        try:
             return _reply(entry)
-        except (OSError, ValueError, KeyError, TypeError):  # absent, or damaged: ask the endpoint
+        except (KeyError, TypeError):
             return None
 
-    def put(self, key: str, digest: str, reply: Reply) -> None:
-        """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt."""
+    def put(self, key: str, digest: str, reply: Reply) -> Notice | None:
+        """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt;
+        what it could not do is returned, once per kind, for the user."""
+        data = orjson.dumps(_record(reply))
+        if len(data) > self.max_bytes:
+            return self._once("cache too large", f"a reply of {len(data) / 2**20:.1f} MB is larger than the whole "
+                                                 f"cache (--cache_max_mb={self.max_bytes / 2**20:g}): not cached, "
+                                                 "nor any reply that large")
         path = self.path(key, digest)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            store.atomic_write(path, orjson.dumps(_record(reply)))
-        except (OSError, DiskFull):
-            pass
+            store.atomic_write(path, data)
+        except (OSError, DiskFull) as e:
+            why = e.__cause__ if isinstance(e, DiskFull) else e
+            return self._once("cache unwritable", f"--cache_dir {self.dir} cannot be written ({why.strerror or why}): "
+                                                  "the replies of this run are not kept for the next")
+        return None
 
-    def trim(self, max_bytes: int) -> None:
+    def _once(self, topic: str, text: str) -> Notice | None:
+        if topic in self.said:
+            return None
+        self.said.add(topic)
+        return Notice(topic, text)
+
+    def trim(self) -> None:
         """Delete the least recently used entries until the cache fits; one trimmer at a time."""
         try:
             fd = locks.acquire(self.dir / ".trim.lock")
         except (locks.LockHeld, OSError):
-            return  # another runner is trimming it now, or the directory is gone
+            return  # another runner is trimming it now, or the directory cannot be written
         try:
             entries = []
             for path in self.dir.glob("??/*.json"):
@@ -87,10 +106,14 @@ class Cache:
                     st = path.stat()
                 except FileNotFoundError:
                     continue
-                entries.append((st.st_mtime, st.st_size, path))
-            total = sum(size for _, size, _ in entries)
-            for _, size, path in sorted(entries):
-                if total <= max_bytes:
+                entries.append((st.st_mtime_ns, st.st_size, path))
+            for _, size, path in entries:
+                if size > self.max_bytes:  # stored under a larger --cache_max_mb: it could never fit
+                    path.unlink(missing_ok=True)
+            fits = sorted(e for e in entries if e[1] <= self.max_bytes)  # least recently used first
+            total = sum(size for _, size, _ in fits)
+            for _, size, path in fits:
+                if total <= self.max_bytes:
                     break
                 path.unlink(missing_ok=True)
                 total -= size
@@ -123,8 +146,8 @@ class JournalModel:
             return reply
         reply = await self.model.complete(messages, tools, forbid_tools)
         self.send(Replied(self.key, turn, digest, reply))
-        if self.cache is not None:
-            await asyncio.to_thread(self.cache.put, self.key, digest, reply)
+        if self.cache is not None and (notice := await asyncio.to_thread(self.cache.put, self.key, digest, reply)):
+            self.send(notice)
         return reply
 
     def _count(self, reply: Reply) -> None:

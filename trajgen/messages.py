@@ -1,11 +1,15 @@
 """The messages between the parent and a worker: small frozen dataclasses, handled with `match`."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from trajgen.model import Reply
 from trajgen.outcome import PromptOutcome, Status
 from trajgen.work import Task
+
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})  # each stops a run the same way
 
 
 # parent -> worker
@@ -70,11 +74,20 @@ class Log:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Something the user should know that does not stop anything: said once per run per topic,
+    whichever worker says it first."""
+
+    topic: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Cancelled:
     pass
 
 
-Event = Finished | Replied | Throttled | Retrying | Fatal | Log | Cancelled
+Event = Finished | Replied | Throttled | Retrying | Fatal | Log | Notice | Cancelled
 
 
 def without_landed_replies(events: list[Event]) -> list[Event]:

@@ -7,10 +7,11 @@ asyncio actor running `_Worker.run_one` (the process pool's own code) for many c
 once, with its sandboxes on the node it landed on. As on the process pool's pipes, traffic goes in
 batches: the prompts for an actor in one `submit` call per poll, everything it has to say (outcomes
 included) in the reply to one long-polled `events` call, which gathers what happens within 10 ms of
-its first urgent event (a reply paid for waits up to 100 ms for one). An actor runs asyncio's own
-event loop, as a pool worker does (not uvloop). The driver keeps each actor's prompts in flight; when
-an actor or its node dies, Ray restarts the actor where it can, and its prompts run again, up to
-`crash_retries` times, before they come back failed as WorkerCrashed.
+its first urgent event (a reply paid for is one: it reaches the driver's journal before it can be
+lost with its actor). An actor runs asyncio's own event loop, as a pool worker does (not uvloop).
+The driver keeps each actor's prompts in flight, with the replies they were paid; when an actor or
+its node dies, Ray restarts the actor where it can, and its prompts run again, replaying those
+replies, up to `crash_retries` times, before they come back failed as WorkerCrashed.
 
 Each actor checks its own node when it starts (bubblewrap, the tools' programs, the images its
 prompts name) and reports what is missing; the driver names it once per node and sends a prompt
@@ -22,12 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trajgen import registry
+from trajgen import journal, registry
 from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
-from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Throttled, without_landed_replies
+from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Replied, Throttled, without_landed_replies
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
@@ -50,11 +51,10 @@ CALLS = 8  # an actor's concurrent calls: the `events` long-poll, `submit`s, con
 # what happens within this many seconds of an actor's first new event travels in the same `events` reply: each Ray
 # call costs CPU on both ends, and a busy actor's sandboxes finish a few ms apart
 EVENTS_WINDOW = 0.01
-# a reply paid for (Replied, for the journal) or a log line does not start an `events` reply of its own: it waits
-# up to this long for an outcome to travel with (a prompt's first reply comes back mid-prompt: one Ray call per
-# prompt, not two); the outcomes, a 429 and a fatal error go at once
+# a log line or a notice does not start an `events` reply of its own: it waits up to this long for an urgent
+# event to travel with; a reply paid for (Replied, for the journal) is urgent, or it could die with its actor
 NOT_URGENT_DELAY = 0.1
-URGENT = (Finished, Fatal, Throttled, Cancelled)
+URGENT = (Finished, Replied, Fatal, Throttled, Cancelled)
 RESIZE_SECONDS = 2.0  # under --num_workers=auto, how often the pool is matched to the cluster's CPUs
 
 
@@ -224,6 +224,7 @@ class RayPool:
         self.queue: deque[Task] = deque()  # submitted, waiting for an actor that is up and has room
         self.crashes: Counter[str] = Counter()  # per prompt key: runs lost to a dead actor
         self.session = RaySession()
+        self.paid: dict[str, list[dict]] = {}  # per prompt in flight: the journal entries of its replies
 
     def start(self) -> None:
         try:
@@ -329,6 +330,9 @@ class RayPool:
         for message in messages:
             if isinstance(message, Finished):
                 slot.inflight.pop(message.outcome.key, None)
+                self.paid.pop(message.outcome.key, None)
+            elif isinstance(message, Replied):
+                self.paid.setdefault(message.key, []).append(journal.entry(message))
         slot.watch = None  # asked again at the next dispatch, with the prompts admitted meanwhile
         return messages
 
@@ -342,8 +346,10 @@ class RayPool:
         for task in reversed(lost):
             if self.crashes[task.key] < self.crash_retries:
                 self.crashes[task.key] += 1
-                self.queue.appendleft(task)  # first in line for the next actor with room
+                paid = tuple(self.paid.pop(task.key, ()))  # replayed, not paid again
+                self.queue.appendleft(replace(task, replay=task.replay + paid))  # first in line for an actor with room
             else:
+                self.paid.pop(task.key, None)  # journaled: a resume replays them
                 messages.append(Finished(decide(task, error=WorkerCrashed(f"Ray worker died: {_why(error)}"))))
         return messages
 
@@ -375,6 +381,7 @@ class RayPool:
                     waiting.remove(slot)
         for slot in self.slots:
             slot.inflight.clear()
+        self.paid.clear()
         return arrived
 
     def kill(self) -> None:

@@ -41,6 +41,7 @@ class Prepared:
     unavailable_sets: dict[str, str]
     plan: Plan
     fresh: bool = True  # this invocation starts the run directory (it was empty, or --overwrite)
+    not_in_dataset: int = 0  # rows and discards of prompts the dataset no longer has (a resume with another file)
 
     def tasks(self, entries: Iterator[dataset.Entry] | None = None) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset to run them, or from `entries` (the
@@ -158,6 +159,7 @@ def prepare(opts: RunOptions) -> Prepared:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     for note in scan.notes:
         console.notice(note)
+    prepared = replace(prepared, not_in_dataset=_dataset_change(prepared))
     _say_what_is_missing(prepared)
     for line in opts.request_extras()[2]:
         console.notice(f"sending {line}")
@@ -177,7 +179,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir, opts.verify_timeout)
+                          opts.verbose, opts.cache_dir, opts.verify_timeout, opts.cache_max_mb)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -187,13 +189,13 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
                              tuple(prepared.plan.images), opts.require_toolsets)
     limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
                               opts.max_total_tokens, health_check)
-    cache = journal.Cache(opts.cache_dir) if opts.cache_dir else None
+    cache = journal.Cache(opts.cache_dir, opts.cache_max_mb) if opts.cache_dir else None
     if cache:
         cache.open()
     run = scheduler.Scheduler(prepared.plan, pool, limits, run_dir, missing_images, previous, started)
     end = run.execute(prepared.tasks(), on_exit=lambda: cleanup(sandbox))
     if cache:
-        cache.trim(int(opts.cache_max_mb * 2**20))
+        cache.trim()
     return end, previous
 
 
@@ -205,22 +207,27 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
-        "remaining_not_run": outcome.not_run, "invalid_lines_skipped": check.error_count,
+        "remaining_not_run": outcome.not_run, "records_not_in_dataset": prepared.not_in_dataset,
+        "invalid_lines_skipped": check.error_count,
         "duration_seconds": round(time.monotonic() - started, 3),
         "duration_seconds_total": round(previous + time.monotonic() - started, 3),
     })
     store.write_json(prepared.run_dir / merge.STATISTICS, stats)
     console.summary(stats)
     failures = console.failures_line(stats, prepared.run_dir)
+    for path in export.stale(prepared.run_dir):
+        console.notice(f"{path} was exported before this merge and is stale: run --export again")
     if outcome.fatal:
         console.stopped(f"the run was stopped: {outcome.fatal}. Fix it, then resume with:", failures=failures)
         return 1
-    if outcome.interrupted:
-        console.stopped("interrupted; resume with:", error=False, failures=failures)
-        return 130
+    if outcome.stopped_by:
+        console.stopped(f"stopped by {outcome.stopped_by.name}: the prompts in flight were cancelled and run again on "
+                        "resume; resume with:", error=False, failures=failures)
+        return scheduler.exit_status(outcome.stopped_by)
     if outcome.budget:
-        console.stopped(f"stopped: {outcome.budget}; {outcome.not_run} prompt(s) not run. Resume with:", error=False,
-                        failures=failures)
+        console.stopped(f"stopped: {outcome.budget} reached; this invocation paid ${outcome.paid_cost:.4f}, "
+                        f"{outcome.paid_tokens} tokens (failed attempts and the prompts in flight at the limit "
+                        f"included); {outcome.not_run} prompt(s) not run. Resume with:", error=False, failures=failures)
         return 3
     if outcome.failed:
         console.stopped(f"{failures}; --resume runs them again:", error=False)
@@ -307,6 +314,29 @@ def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
         if changed:
             raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
     return store.scan(run_dir)
+
+
+def _dataset_change(prepared: Prepared) -> int:
+    """On a resume with another dataset file, or the same file edited, say in one line what changed;
+    refuse (without --force) a dataset that shares no prompt with the run. Returns how many records
+    (rows and discards) belong to prompts the dataset no longer has."""
+    opts, check, done = prepared.opts, prepared.check, prepared.scan.done
+    in_dataset = check.valid * opts.samples_per_prompt - prepared.plan.remaining  # of the dataset's samples
+    try:
+        before = store.read_json(prepared.run_dir / "manifest.json").get("dataset") or {}
+    except (FileNotFoundError, store.UnreadableFile):  # a new run; or --force writes it again
+        before = {}
+    if not done or (before.get("path"), before.get("fingerprint")) == (opts.dataset_file, check.fingerprint):
+        return len(done) - in_dataset
+    if not in_dataset and not opts.force:
+        raise UsageError(f"{opts.dataset_file} shares no prompt with run {opts.run_name}, whose {len(done)} done "
+                         f"came from {before.get('path', 'another dataset')}: pass --force to add its prompts "
+                         "to this run anyway, or choose another --run_name")
+    console.notice(f"the dataset changed since the last invocation: {before.get('path', 'unknown')} "
+                   f"({before.get('prompts', '?')} prompts) -> {opts.dataset_file} ({check.valid} prompts), "
+                   f"{in_dataset} of its samples already done; {len(done) - in_dataset} rows (and discards) of "
+                   "prompts no longer in it stay in the run (statistics.json: records_not_in_dataset)")
+    return len(done) - in_dataset
 
 
 def _say_what_is_missing(prepared: Prepared) -> None:

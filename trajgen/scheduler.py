@@ -1,6 +1,6 @@
 """The parent's loop: admit prompts one at a time, write each outcome as it arrives, checkpoint
-as batches end, back off on 429s, stop cleanly on Ctrl-C, a fatal API error, a failed health
-check or a spend limit."""
+as batches end, back off on 429s, stop cleanly on Ctrl-C, SIGTERM or SIGHUP, a fatal API error, a
+failed health check or a spend limit."""
 from __future__ import annotations
 
 import os
@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Protocol
 import orjson
 
 from trajgen import console, journal, store
-from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped
-from trajgen.messages import Event, Fatal, Finished, Log, Replied, Retrying, Throttled
+from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped, WorkerCrashed
+from trajgen.messages import STOP_SIGNALS, Event, Fatal, Finished, Log, Notice, Replied, Retrying, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.work import Task
@@ -56,10 +56,12 @@ class RunEnd:
 
     failed: int = 0
     not_run: int = 0
-    interrupted: bool = False
+    stopped_by: signal.Signals | None = None  # the signal that stopped the run
     fatal: str | None = None  # why the run could not go on (the endpoint, or the health check)
     unreachable: bool = False  # the fatal error is an endpoint that never answered this run: nothing was recorded failed
-    budget: str | None = None  # which spend limit stopped the run
+    budget: str | None = None  # which spend limit stopped the run: `--max_cost=0.5`
+    paid_cost: float = 0.0  # what this invocation paid, prompts that finished after a stop included
+    paid_tokens: int = 0
 
 
 def _which(task: Task | None) -> dict:
@@ -75,18 +77,26 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-class _Signals:
-    """First Ctrl-C/SIGTERM: stop cleanly. Second: leave at once (files are consistent at every moment)."""
+def exit_status(sig: signal.Signals) -> int:
+    """143 for SIGTERM, as a shell reports a process it ended; 130 for Ctrl-C and SIGHUP."""
+    return 143 if sig == signal.SIGTERM else 130
 
-    def __init__(self, on_second):
-        self.count = 0
+
+class _Signals:
+    """The first SIGINT, SIGTERM or SIGHUP stops cleanly; a second leaves at once (files are
+    consistent at every moment). A SIGHUP ignored from the start (`nohup`) stays ignored."""
+
+    def __init__(self, on_second: Callable[[signal.Signals], None]):
+        self.first: signal.Signals | None = None
         self.on_second = on_second
-        self.previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+        nohup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        self.previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS if not (nohup and sig == signal.SIGHUP)}
 
     def __call__(self, signum, frame) -> None:
-        self.count += 1
-        if self.count > 1:
-            self.on_second()
+        if self.first is None:
+            self.first = signal.Signals(signum)
+        else:
+            self.on_second(self.first)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
@@ -111,11 +121,12 @@ class _Spend:
         self.tokens += tokens
 
     def exceeded(self) -> str | None:
+        """The limit reached, if one is."""
         s = self.limits
         if s.max_cost is not None and self.cost >= s.max_cost:
-            return f"--max_cost={s.max_cost} reached (${self.cost:.4f} spent)"
+            return f"--max_cost={s.max_cost}"
         if s.max_total_tokens is not None and self.tokens >= s.max_total_tokens:
-            return f"--max_total_tokens={s.max_total_tokens} reached ({self.tokens} tokens)"
+            return f"--max_total_tokens={s.max_total_tokens}"
         return None
 
 
@@ -138,6 +149,7 @@ class Scheduler:
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
         self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
         self.answered = False  # the endpoint has answered some worker in this run
+        self.noticed: set[str] = set()  # the topics of the notices said
 
     def checkpoint(self) -> dict:
         return {
@@ -212,19 +224,22 @@ class Scheduler:
                 self.end.fatal = self.end.fatal or reason
             case Log(text):
                 console.err.print(text)
+            case Notice(topic, text) if topic not in self.noticed:
+                self.noticed.add(topic)
+                console.notice(text)
 
     def should_stop(self, signals: _Signals) -> bool:
         """Stop admitting on a limit; leave the loop at once on a signal, a fatal error or when all is back."""
         self.end.budget = self.end.budget or self.spend.exceeded()
         if self.end.fatal is None and self.limits.health_check is not None:
             self.end.fatal = self.limits.health_check()
-        if signals.count > 0 or self.end.fatal is not None:
+        if signals.first is not None or self.end.fatal is not None:
             return True
         return (self.exhausted or self.end.budget is not None) and self.pool.inflight == 0
 
     def execute(self, tasks: Iterator[Task], on_exit: Callable[[], None]) -> RunEnd:
         """Run the plan; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
-        signals = _Signals(lambda: self.leave_now(on_exit))
+        signals = _Signals(lambda first: self.leave_now(first, on_exit))
         tasks = islice(tasks, self.plan.remaining)  # the plan as counted: a line added since waits for a resume
         self.pool.start()
         progress = console.progress_bar()
@@ -235,7 +250,11 @@ class Scheduler:
                 while not self.should_stop(signals):
                     if self.end.budget is None:
                         self.admit(tasks)
-                    for event in self.pool.poll(POLL_SECONDS):
+                    try:
+                        events = self.pool.poll(POLL_SECONDS)
+                    except WorkerCrashed as e:  # no worker left to run anything: a stop like a fatal endpoint error
+                        events, self.end.fatal = [], str(e)
+                    for event in events:
                         self.handle(event)
                     done = sum(self.counts.values())
                     progress.update(bar, completed=done, rate=done / max(1e-9, time.monotonic() - self.started),
@@ -253,7 +272,8 @@ class Scheduler:
             self.pool.close()
             self.writer.close(self.checkpoint())
             signals.restore()
-        self.end.interrupted = signals.count > 0
+        self.end.stopped_by = signals.first
+        self.end.paid_cost, self.end.paid_tokens = self.spend.cost, self.spend.tokens
         self.end.failed = self.counts["failed"]
         self.end.not_run = self.plan.remaining - sum(self.counts.values())
         return self.end
@@ -269,9 +289,9 @@ class Scheduler:
         return (f"{len(self.retrying)} retrying: {event.cause}, attempt {event.attempt}/{event.retries}, "
                 f"next in {left:.0f} s; {line}")
 
-    def leave_now(self, on_exit: Callable[[], None]) -> None:
+    def leave_now(self, first: signal.Signals, on_exit: Callable[[], None]) -> None:
         self.pool.kill()
         self.writer.close(self.checkpoint())
         on_exit()
         console.stopped("\nstopped at once; resume with:", error=False)
-        os._exit(130)
+        os._exit(exit_status(first))

@@ -207,9 +207,15 @@ def scan(run_dir: Path) -> Scan:
     for record in read_records(run_dir / DISCARDED, result.torn):
         if isinstance(record.get("prompt_key"), str):
             result.done.add(record["prompt_key"])
-    for entry in read_records(run_dir / JOURNAL, []):  # a torn entry is a reply asked for again
-        if isinstance(entry.get("key"), str) and entry["key"] not in result.done:
+    unreadable: list[str] = []
+    for entry in read_records(run_dir / JOURNAL, unreadable):
+        if not _journal_entry(entry):
+            unreadable.append(JOURNAL)
+        elif entry["key"] not in result.done:
             result.journal.setdefault(entry["key"], []).append(entry)
+    if unreadable:
+        result.notes.append(f"{JOURNAL} has {len(unreadable)} unreadable line(s) (a kill mid-write, or damage): "
+                            "the replies they held will be asked for, and paid for, again")
     for name in (CHECKPOINT, "statistics.json"):
         try:
             read_json(run_dir / name)
@@ -221,6 +227,13 @@ def scan(run_dir: Path) -> Scan:
     if missing:
         result.notes.append(f"{', '.join(missing)} written by an earlier run are gone: their prompts run again")
     return result
+
+
+def _journal_entry(entry: dict) -> bool:
+    """Whether a journal line is an entry that trajgen/journal.py can replay."""
+    return (isinstance(entry.get("key"), str) and isinstance(entry.get("turn"), int)
+            and isinstance(entry.get("hash"), str) and isinstance(entry.get("message"), dict)
+            and isinstance(entry.get("usage"), dict))
 
 
 def _mtime(path: Path) -> int:

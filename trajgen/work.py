@@ -42,6 +42,7 @@ class WorkerConfig:
     verbose: bool = False
     cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
+    cache_max_mb: float = 1024.0  # a reply larger than the whole cache is not stored
 
 
 @dataclass(frozen=True)

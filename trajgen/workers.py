@@ -15,12 +15,13 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 from trajgen import agent, journal, llm, registry, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, WorkerCrashed
-from trajgen.messages import (Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled,
+from trajgen.messages import (STOP_SIGNALS, Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled,
                               without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
@@ -64,7 +65,7 @@ class _Worker:
         self.endpoint = llm.Endpoint(config.model, config.concurrency)
         self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()),
                                  on_retry=self.retrying)
-        self.cache = journal.Cache(config.cache_dir) if config.cache_dir else None
+        self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
 
@@ -189,8 +190,28 @@ class _Outbox:
                 pass
 
 
+def _start_fork_server() -> None:
+    """Start the workers' fork server unless it runs, with the stop signals blocked, which it keeps
+    and its workers inherit until they have their handlers: a signal to the process group is the
+    parent's to act on. No signal to this process is lost: it is delivered once the mask is back."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        resource_tracker.ensure_running()  # unblocks SIGINT and SIGTERM on its way out: block them again
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _wait_for_the_parent(signum, frame) -> None:
+    """Ctrl-C and a SIGTERM or SIGHUP to the process group are the parent's to act on: it cancels
+    this worker's prompts. A handler, not SIG_IGN: the sandboxes' processes start with the default."""
+
+
 def _worker_main(conn: Connection, config: WorkerConfig, environ: dict[str, str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _wait_for_the_parent)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (_start_fork_server)
     os.environ.clear()  # the fork server's environment is its start's; a library user may have changed it since
     os.environ.update(environ)
     outbox = _Outbox(conn)
@@ -222,6 +243,7 @@ class ProcessPool:
     def _spawn(self) -> _Handle:
         parent_end, child_end = self.ctx.Pipe()
         process = self.ctx.Process(target=_worker_main, args=(child_end, self.config, dict(os.environ)), daemon=True)
+        _start_fork_server()
         process.start()
         child_end.close()
         return _Handle(process, parent_end)
@@ -276,9 +298,13 @@ class ProcessPool:
     def cancel(self, timeout: float = 10.0) -> list[Event]:
         """Cancel every conversation in flight (their sandboxes are closed); results that were
         already on their way are returned so that no finished prompt is lost."""
+        waiting = {}
         for w in self.workers:
-            self._send(w, Cancel())
-        waiting = {w.conn: w for w in self.workers}
+            try:
+                self._send(w, Cancel())
+                waiting[w.conn] = w
+            except OSError:  # a dead worker: its prompts are not recorded, resume runs them
+                w.inflight.clear()
         arrived: list[Event] = []
         while waiting:
             ready = wait(list(waiting), timeout)

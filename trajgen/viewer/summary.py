@@ -113,7 +113,7 @@ def _together(a: merge.Tally, b: merge.Tally) -> merge.Tally:
 
 
 _HEADER = ("run_name", "model", "distribution", "total_prompts", "samples_per_prompt", "batch_size", "remaining_not_run",
-           "invalid_lines_skipped", "duration_seconds", "duration_seconds_total")
+           "records_not_in_dataset", "invalid_lines_skipped", "duration_seconds", "duration_seconds_total")
 
 
 def _live_header(run_dir: Path, counted: dict) -> dict:
