@@ -60,6 +60,10 @@ class EmptyAnswer(MalformedResponse):
     (a retry answers), so the prompt fails and --resume asks it again."""
 
 
+class ReplyTooLarge(MalformedResponse):
+    """The endpoint's reply is larger than --max_reply_mb: refused before more than the cap is held."""
+
+
 class InternalError(Exception):
     """An error nobody foresaw ended the prompt (a bug of ours or of a tool): failures.jsonl names
     this class, with the original error in the message and its traceback kept for a report."""

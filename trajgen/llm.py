@@ -1,29 +1,31 @@
 """Model calls: one connection pool per worker, one retry policy, and a signal when the endpoint throttles.
 
-Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
+Retries: 429, 408, 409, 5xx, timeouts, stalls and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
 never less than a Retry-After. 401/402/403 stop the run, and so does a 404 before the endpoint has
-ever answered (the model does not exist); other 4xx fail the prompt at once. A 200 whose body is
-an error object is treated like the status it names; one that is not a completion is
-MalformedResponse.
+ever answered (the model does not exist); other 4xx fail the prompt at once. A 200 whose body (or
+a streamed chunk) is an error object is treated like the status it names; one that is not a
+completion is MalformedResponse, and one larger than --max_reply_mb is ReplyTooLarge.
 """
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import ipaddress
 import random
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import httpx
 import orjson
 
-from trajgen import transport
+from trajgen import stream
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, FatalAPIError, MalformedResponse,
-                            ProviderError, status_error)
+                            ProviderError, ReplyTooLarge, status_error)
 from trajgen.work import ModelSettings
 
 BACKOFF_BASE = 1.0
@@ -31,55 +33,181 @@ BACKOFF_CAP = 30.0
 RETRY_AFTER_CAP = 120.0
 FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "access denied"}
 OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
+CONNECT_TIMEOUT = 10.0  # seconds to connect, TLS handshake and proxy tunnel included (the openai SDK allows 5)
+ERROR_BODY_LIMIT = 1 << 16  # bytes of a non-2xx body kept for its message
+BOM = b"\xef\xbb\xbf"
+
+
+class Stalled(TimeoutError):
+    """No byte (chunk or comment) arrived for --stall_timeout seconds: the stream is abandoned and asked again."""
 
 
 class Endpoint:
-    """One worker's connection pool to the chat endpoint, shared by all its conversations.
+    """One worker's connection pool to the chat endpoint (httpx), shared by all its conversations.
 
-    Our own small HTTP/1.1 client (trajgen/transport.py), not the openai SDK nor aiohttp: the SDK's
-    request pipeline cost about 0.75 ms of CPU per call here and aiohttp's about 0.2 ms, a fifth of
-    the runner's whole cost per call (bench/RESULTS.md). The errors keep the SDK's class names
-    (trajgen/errors.py)."""
+    httpx, as the openai SDK uses it: proxies (http, https, socks5), TLS with certifi or
+    SSL_CERT_FILE/SSL_CERT_DIR, gzip, and a connect timeout apart from the request's. The errors
+    keep the SDK's class names (trajgen/errors.py); the SDK itself is not used (0.75 ms of CPU a call)."""
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
         self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
-                        "Accept": "application/json"}
-        self.timeout = settings.request_timeout
+                        "Accept": "text/event-stream" if settings.stream else "application/json"}
+        self.settings = settings
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
-        self._client: transport.Client | None = None
+        self._client: httpx.AsyncClient | None = None
 
-    async def post(self, body: bytes) -> bytes:
-        """The body of a 2xx reply to a serialized request, or the error for what happened."""
-        if self._client is None:  # made on the loop that uses it
+    def _open(self) -> httpx.AsyncClient:
+        """Made on the loop that uses it, once per worker."""
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
             proxy = env_proxy(self.url)
             try:
-                self._client = transport.Client(self.url, self.connections, proxy)
-            except ValueError as e:  # an https:// proxy in the environment: no request can go out
+                transport = httpx.AsyncHTTPTransport(proxy=proxy, limits=limits, trust_env=True, retries=0)
+            except (ValueError, httpx.InvalidURL, ImportError) as e:  # a proxy URL httpx cannot use: no request can go out
                 raise FatalAPIError(f"cannot send through the proxy {proxy}: {e}") from None
+            stall = self.settings.stall_timeout if self.settings.stream else None  # unstreamed: silent until done
+            self._client = httpx.AsyncClient(transport=transport, headers=self.headers, timeout=httpx.Timeout(
+                stall, connect=CONNECT_TIMEOUT, pool=None))
+        return self._client
+
+    async def call(self, body: bytes) -> Completion:
+        """The completion of a serialized request with its timing, or the error for what happened."""
+        client, sent = self._open(), time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout):
-                response = await self._client.post(body, self.headers)
-        except TimeoutError as e:
+            async with asyncio.timeout(self.settings.request_timeout):
+                async with client.stream("POST", self.url, content=body) as response:
+                    head, connection = time.monotonic(), _http11(response)
+                    if not 200 <= response.status_code < 300:
+                        text = await _read(response, ERROR_BODY_LIMIT, truncate=True)
+                        raise status_error(response.status_code, response.headers, text)
+                    if response.headers.get("content-type", "").startswith("text/event-stream"):
+                        completion, first_token = await _events(response, self.settings)
+                    else:  # not streamed, or an endpoint that ignores `stream`
+                        completion = parse_completion(await _read(response, self.settings.max_reply_bytes))
+                        first_token = None
+                await _drop_if_stray_bytes(connection)
+        except httpx.ConnectTimeout as e:
+            raise APITimeoutError() from TimeoutError(
+                f"no connection to {_origin(self.url)} within {CONNECT_TIMEOUT:g} s (TCP connect, TLS handshake or "
+                f"proxy tunnel)")
+        except httpx.ReadTimeout as e:
+            raise APITimeoutError() from Stalled(f"stalled: no byte for {self.settings.stall_timeout:g} s (--stall_timeout)")
+        except (httpx.TimeoutException, TimeoutError) as e:
             raise APITimeoutError() from e
-        except (OSError, asyncio.IncompleteReadError, transport.ProtocolError) as e:
+        except (httpx.TransportError, httpx.DecodingError, OSError) as e:
             raise APIConnectionError() from e
-        if not 200 <= response.status < 300:
-            raise status_error(response.status, response.headers, response.body)
-        return response.body
+        end = time.monotonic()
+        first_token = first_token or end
+        return replace(completion, timing={"first_byte": round(head - sent, 4), "first_token": round(first_token - sent, 4),
+                                           "generation": round(end - first_token, 4)})
 
     async def close(self) -> None:
         if self._client is not None:
-            self._client.close()
+            await self._client.aclose()
+
+
+def _http11(response: httpx.Response):
+    """The httpcore HTTP/1.1 connection that carries `response`, through the layers of stream that
+    wrap it (None for HTTP/2, or if httpcore's private layout changes: tests/test_streaming.py then fails)."""
+    layer = response.stream
+    for _ in range(6):
+        if layer is None or hasattr(layer, "_h11_state"):
+            return layer
+        layer = next((getattr(layer, name) for name in ("_stream", "_httpcore_stream", "_connection")
+                      if getattr(layer, name, None) is not None), None)
+    return None
+
+
+async def _drop_if_stray_bytes(connection) -> None:
+    """Close a connection on which bytes followed the body. httpcore would hand it to the next
+    request with those bytes buffered, read them as that request's answer and throw away the answer
+    the endpoint then sent (and billed): the openai SDK does."""
+    if connection is not None and connection._h11_state.trailing_data[0]:
+        await connection.aclose()
+
+
+async def _read(response: httpx.Response, limit: int, truncate: bool = False) -> bytes:
+    """The (decoded) body, never holding more than `limit` bytes: past it, the start of it with
+    `truncate`, else ReplyTooLarge."""
+    declared = response.headers.get("content-length", "")
+    if not truncate and declared.isdecimal() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    pieces, size = [], 0
+    async for piece in response.aiter_bytes():
+        size += len(piece)
+        if size > limit:
+            if truncate:
+                pieces.append(piece[:limit - size])
+                break
+            raise too_large(size, limit)
+        pieces.append(piece)
+    return b"".join(pieces).removeprefix(BOM)
+
+
+async def _events(response: httpx.Response, settings: ModelSettings) -> tuple[Completion, float | None]:
+    """A streamed reply assembled (stream.py), and when its first token came."""
+    reader, assembly, size, first_token = stream.EventReader(), stream.Assembly(), 0, None
+    try:
+        async for piece in response.aiter_bytes():
+            size += len(piece)
+            if size > settings.max_reply_bytes:
+                raise too_large(size, settings.max_reply_bytes)
+            for data in reader.feed(piece):
+                if assembly.add(data) and first_token is None:
+                    first_token = time.monotonic()
+    except httpx.ReadTimeout:
+        if not assembly.done:  # complete, and only the end of the body is late: the reply stands
+            raise
+    if not assembly.done and assembly.finish_reason is None:
+        raise APIConnectionError("the stream ended before the reply did")
+    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider), first_token
+
+
+def too_large(size: int, limit: int) -> ReplyTooLarge:
+    return ReplyTooLarge(f"the reply is larger than --max_reply_mb={limit / (1 << 20):g} "
+                         f"({size:,} bytes or more); nothing past the cap was kept")
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def env_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url` (HTTPS_PROXY, NO_PROXY, ...), looked up once per worker."""
+    """The proxy the environment names for `url` (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY), unless
+    NO_PROXY covers its host: a name, a domain suffix, an address or a CIDR range (10.0.0.0/8),
+    as curl reads it. httpx's own lookup ignores CIDR ranges."""
     parts = urllib.parse.urlsplit(url)
-    if urllib.request.proxy_bypass_environment(parts.hostname or ""):
+    host = parts.hostname or ""
+    proxies = urllib.request.getproxies_environment()
+    if _bypassed(host, proxies.get("no", "")):
         return None
-    return urllib.request.getproxies_environment().get(parts.scheme)
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
+def _bypassed(host: str, no_proxy: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        if address is not None:
+            try:
+                if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                    return True
+                continue
+            except ValueError:
+                pass
+        name = entry.lstrip(".").split(":")[0]
+        if host.lower() == name or host.lower().endswith("." + name):
+            return True
+    return False
 
 
 def describe(error: BaseException) -> tuple[str, str]:
@@ -117,7 +245,10 @@ def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict
                  forbid_tools: bool = False) -> bytes:
     """Serialized once by orjson: the SDK's typed `create` walks every message of the history in
     Python on every call, which cost more CPU than the rest of a turn."""
-    return orjson.dumps(request_args(settings, messages, tools, forbid_tools))
+    args = request_args(settings, messages, tools, forbid_tools)
+    if settings.stream:  # not part of request_args: the journal's hash does not depend on it
+        args |= {"stream": True, "stream_options": {"include_usage": True}}
+    return orjson.dumps(args)
 
 
 @dataclass(frozen=True)
@@ -129,6 +260,7 @@ class Completion:
     usage: object  # the usage object as sent (checked by the caller), None when absent
     model: object  # the `model` field as sent
     provider: object  # OpenRouter's `provider` field, when present
+    timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
 
 
 def parse_completion(body: bytes) -> Completion:
@@ -140,9 +272,7 @@ def parse_completion(body: bytes) -> Completion:
     if not isinstance(data, dict):
         raise MalformedResponse(f"the reply is not a JSON object: {body[:200]!r}")
     if isinstance(error := data.get("error"), dict):
-        code = error.get("code")
-        status = int(code) if isinstance(code, (int, str)) and str(code).isdigit() else None
-        raise ProviderError(str(error.get("message") or error)[:2000], status)
+        raise stream.provider_error(error)
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
         raise MalformedResponse("the reply has no choices" if choices is None else f"the reply has choices: {choices!r}"[:2000])
@@ -212,18 +342,21 @@ async def complete(
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
+    on_stall: Callable[[], None] = lambda: None,
 ) -> Completion:
-    """One chat completion, retried per the policy above."""
+    """One chat completion, retried per the policy above; `on_stall` hears of every stalled try."""
     body = request_body(settings, messages, tools, forbid_tools)
     started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
         try:
-            completion = parse_completion(await endpoint.post(body))
+            completion = await endpoint.call(body)
             endpoint.answered = True
             return completion
         except (APIStatusError, APIConnectionError, ProviderError) as error:
             if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
+            if isinstance(error.__cause__, Stalled):
+                on_stall()
             wait = retry_wait(error, wait, endpoint.answered)
             if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
                 raise
