@@ -1,0 +1,246 @@
+"""Chat calls through httpx against the loopback scripted server: awkward streams assemble into the
+message a non-streamed call returns; stalls, cuts and errors mid-stream follow the one retry
+policy; the faults of an HTTP client sweep (a silent TLS handshake, a dropped request, gzip, a
+BOM, folded and duplicate headers, malformed lengths, stray bytes, NO_PROXY ranges) are handled."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import arun
+from trajgen import errors, llm
+from trajgen.work import ModelSettings
+
+TOOL = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+AWKWARD = {"content": "héllo wörld ☃ done", "reasoning_content": "thïnk", "reasoning": "fïrst",
+           "reasoning_details": [{"type": "reasoning.text", "text": "a"}, {"type": "reasoning.text", "text": "b"}],
+           "tool_calls": [{"name": "search", "arguments": {"q": "naïve ☃ \"quoted\""}, "id": "a"},
+                          {"name": "read_file", "arguments": {"path": "/tmp/x"}, "id": "b"}],
+           "usage": {"prompt_tokens": 7, "completion_tokens": 9}, "provider": "Prov"}
+
+
+def _settings(server, **kw) -> ModelSettings:
+    return replace(ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=0), **kw)
+
+
+def _call(settings: ModelSettings, prompt: str = "hi", times: int = 1) -> tuple[list, list[int]]:
+    """`times` calls on one endpoint (one pool): their completions or errors, and the stalls heard."""
+    stalls: list[int] = []
+
+    async def calls():
+        endpoint, results = llm.Endpoint(settings, 2), []
+        try:
+            for _ in range(times):
+                try:
+                    results.append(await llm.complete(endpoint, settings, [{"role": "user", "content": prompt}], TOOL,
+                                                      lambda: None, on_stall=lambda: stalls.append(1)))
+                except Exception as e:  # noqa: BLE001 - the test looks at which
+                    results.append(e)
+        finally:
+            await endpoint.close()
+        return results
+
+    return arun(calls()), stalls
+
+
+def test_an_awkward_stream_assembles_into_the_unstreamed_message(scripted_server):
+    """Deltas of 3 characters written 5 bytes at a time (reads end inside UTF-8 characters and the
+    arguments' JSON), comments between chunks, ids and names apart, two calls interleaved."""
+    server = scripted_server({"default": [{**AWKWARD, "pieces": 3, "write_bytes": 5, "comments": True}]})
+    (plain,), _ = _call(_settings(server, stream=False))
+    (streamed,), _ = _call(_settings(server))
+    assert streamed.message == plain.message
+    assert streamed.message["content"] == "héllo wörld ☃ done" and len(streamed.message["tool_calls"]) == 2
+    assert streamed.message["reasoning_details"] == AWKWARD["reasoning_details"]
+    assert (streamed.usage, streamed.model, streamed.provider) == (plain.usage, plain.model, "Prov")
+    assert server.stats()["stream_events"] > 30
+    sent = [r["body"] for r in server.requests()]
+    assert "stream" not in sent[0] and sent[1]["stream"] is True and sent[1]["stream_options"] == {"include_usage": True}
+    assert set(streamed.timing) == {"first_byte", "first_token", "generation"}
+    assert streamed.timing["first_byte"] <= streamed.timing["first_token"] and streamed.timing["generation"] > 0
+
+
+@pytest.mark.parametrize("fault, retried", [
+    ({"stream_error": {"after": 3, "status": 503, "error": "upstream overloaded"}}, True),
+    ({"stall_after": 2}, True),
+    ({"cut_after": 2}, True),
+    ({"stream_error": {"after": 2, "status": 400, "error": "bad request"}}, False),
+])
+def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypatch, fault, retried):
+    monkeypatch.setattr(llm, "BACKOFF_BASE", 0.05)
+    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    server = scripted_server({"default": [{"content": "a long answer", "pieces": 2, **fault, "times": 1,
+                                           "then": {"content": "fine"}}]})
+    (result,), stalls = _call(_settings(server, max_retries=1, stall_timeout=0.5))
+    if retried:
+        assert result.message["content"] == "fine" and server.stats()["requests"] == 2
+    else:
+        assert isinstance(result, errors.ProviderError) and result.status == 400 and server.stats()["requests"] == 1
+    assert len(stalls) == ("stall_after" in fault)
+
+
+def test_a_stall_is_named_and_a_cut_stream_is_a_connection_error(scripted_server):
+    server = scripted_server({"prompts": {"stall": [{"content": "abcdef", "pieces": 1, "stall_after": 2}],
+                                          "cut": [{"content": "abcdef", "pieces": 1, "cut_after": 2}]}})
+    (stalled,), stalls = _call(_settings(server, stall_timeout=0.3), "stall")
+    assert isinstance(stalled, errors.APITimeoutError) and stalls == [1]
+    assert "stalled: no byte for 0.3 s (--stall_timeout)" in llm.describe(stalled)[1]
+    (cut,), _ = _call(_settings(server), "cut")
+    assert type(cut) is errors.APIConnectionError
+
+
+def test_a_reply_over_the_cap_fails_at_once_streamed_or_not(scripted_server):
+    big = "x" * (3 << 20)
+    server = scripted_server({"prompts": {"big": [{"content": big}], "pieces": [{"content": big, "pieces": 1 << 16}]}})
+    for prompt, stream in (("big", False), ("big", True), ("pieces", True)):
+        (result,), _ = _call(_settings(server, stream=stream, max_retries=3, max_reply_bytes=1 << 20), prompt)
+        assert isinstance(result, errors.ReplyTooLarge), result
+        assert "larger than --max_reply_mb=1 " in str(result)
+    assert server.stats()["requests"] == 3  # never asked again within the call
+
+
+def test_a_long_generation_through_a_gateway_that_cuts_idle_connections(scripted_server):
+    """A gateway that cuts a connection idle for 2 s (Cloudflare does at 100 s): a 10-second
+    generation lands when streamed, and the unstreamed call, silent until done, is cut."""
+    server = scripted_server({"default": [{"content": "x" * 20, "pieces": 1, "chunk_delay": 0.5}]})
+
+    async def through_gateway(stream: bool):
+        async def relay(client_reader, client_writer):
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", server.port)
+            last = [time.monotonic()]  # a byte either way keeps the connection alive
+
+            async def pipe(src, dst):
+                while time.monotonic() - last[0] < 2.0:
+                    try:
+                        data = await asyncio.wait_for(src.read(65536), 0.1)
+                    except TimeoutError:
+                        continue
+                    if not data:
+                        return
+                    last[0] = time.monotonic()
+                    dst.write(data)
+                    await dst.drain()
+
+            await asyncio.wait([asyncio.ensure_future(pipe(client_reader, upstream_writer)),
+                                asyncio.ensure_future(pipe(upstream_reader, client_writer))],
+                               return_when=asyncio.FIRST_COMPLETED)
+            client_writer.transport.abort()
+            upstream_writer.transport.abort()
+
+        gateway = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = gateway.sockets[0].getsockname()[1]
+        settings = _settings(server, base_url=f"http://127.0.0.1:{port}/v1", stream=stream)
+        endpoint = llm.Endpoint(settings, 1)
+        try:
+            return await llm.complete(endpoint, settings, [{"role": "user", "content": "go"}], None, lambda: None)
+        except errors.APIConnectionError as e:
+            return e
+        finally:
+            await endpoint.close()
+            gateway.close()
+
+    streamed = arun(through_gateway(True))
+    assert streamed.message["content"] == "x" * 20 and streamed.timing["generation"] >= 9
+    assert isinstance(arun(through_gateway(False)), errors.APIConnectionError)
+
+
+def test_closing_a_stream_stops_the_generation(scripted_server):
+    """A stop cancels the call: the connection closes, and the server writes no more chunks."""
+    server = scripted_server({"default": [{"content": "y" * 1000, "pieces": 1, "chunk_delay": 0.01}]})
+    settings = _settings(server)
+
+    async def stop_midway():
+        endpoint = llm.Endpoint(settings, 1)
+        call = asyncio.ensure_future(llm.complete(endpoint, settings, [{"role": "user", "content": "go"}], None,
+                                                  lambda: None))
+        while server.stats()["stream_events"] < 50:
+            await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        at_stop = server.stats()["stream_events"]
+        await endpoint.close()
+        await asyncio.sleep(0.5)  # 50 more chunks' worth of time
+        return at_stop, server.stats()["stream_events"]
+
+    at_stop, later = arun(stop_midway())
+    assert later - at_stop <= 1 and later < 200
+
+
+@pytest.mark.parametrize("raw", [
+    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Long: a\r\n  folded\r\nContent-Length: {n}\r\n\r\n{body}",
+    "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\nContent-Length: {n}\r\n\r\n{body}",
+    "HTTP/1.1 200 OK\r\nContent-Length: {nb}\r\n\r\n\xef\xbb\xbf{body}",
+])
+def test_folded_and_duplicate_headers_and_a_bom_are_accepted(scripted_server, raw):
+    body = '{"choices": [{"message": {"role": "assistant", "content": "fine"}}], "model": "m"}'
+    server = scripted_server({"default": [{"raw": raw.format(n=len(body), nb=len(body) + 3, body=body)}]})
+    (result,), _ = _call(_settings(server))
+    assert result.message["content"] == "fine"
+
+
+def test_gzip_is_decoded(scripted_server):
+    server = scripted_server({"default": [{"content": "zipped", "gzip": True}]})
+    (result,), _ = _call(_settings(server, stream=False))
+    assert result.message["content"] == "zipped"
+
+
+@pytest.mark.parametrize("raw", [
+    "HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n{}",
+    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n{}\r\n0\r\n\r\n",
+])
+def test_malformed_lengths_are_connection_errors_retried_as_the_policy_allows(scripted_server, monkeypatch, raw):
+    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    server = scripted_server({"default": [{"raw": raw}]})
+    (result,), _ = _call(_settings(server, max_retries=2))
+    assert type(result) is errors.APIConnectionError and server.stats()["requests"] == 3
+
+
+def test_a_request_read_and_dropped_is_sent_again_only_as_the_policy_allows(scripted_server, monkeypatch):
+    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    server = scripted_server({"prompts": {"never": [{"drop": True}],
+                                          "once": [{"drop": True, "times": 1, "then": {"content": "ok"}}]}})
+    (dropped,), _ = _call(_settings(server), "never")
+    assert type(dropped) is errors.APIConnectionError and server.stats()["requests"] == 1  # --max_retries=0: once
+    (answered,), _ = _call(_settings(server, max_retries=1), "once")
+    assert answered.message["content"] == "ok" and server.stats()["requests"] == 3
+
+
+def test_stray_bytes_after_a_body_do_not_cost_the_next_answer(scripted_server):
+    """The next request on that connection would read them as its answer and throw the real one away."""
+    server = scripted_server({"default": [{"content": "a", "trailing": "JUNK!"}]})
+    results, _ = _call(_settings(server, stream=False), times=3)
+    assert [r.message["content"] for r in results] == ["a", "a", "a"] and server.stats()["requests"] == 3
+
+
+def test_a_tls_handshake_that_never_answers_is_named(monkeypatch):
+    monkeypatch.setattr(llm, "CONNECT_TIMEOUT", 0.5)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never speaks TLS
+    try:
+        settings = ModelSettings(model="m", base_url=f"https://127.0.0.1:{silent.getsockname()[1]}/v1", api_key="k",
+                                 max_retries=0)
+        (result,), _ = _call(settings)
+    finally:
+        silent.close()
+    assert isinstance(result, errors.APITimeoutError)
+    assert "TLS handshake" in llm.describe(result)[1] and "within 0.5 s" in llm.describe(result)[1]
+
+
+def test_no_proxy_cidr_ranges_are_honoured(scripted_server, monkeypatch):
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    server = scripted_server({"default": [{"content": "direct"}]})
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead_port}")
+    (through_dead_proxy,), _ = _call(_settings(server))
+    assert isinstance(through_dead_proxy, errors.APIConnectionError)  # the proxy is used when not excluded
+    monkeypatch.setenv("NO_PROXY", "example.org,127.0.0.0/8")
+    (direct,), _ = _call(_settings(server))
+    assert direct.message["content"] == "direct"
+    assert llm.env_proxy("http://10.1.2.3/v1") == f"http://127.0.0.1:{dead_port}"
+    assert llm.env_proxy("http://api.example.org/v1") is None
