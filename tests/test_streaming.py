@@ -172,10 +172,9 @@ def test_closing_a_stream_stops_the_generation(scripted_server):
 
 @pytest.mark.parametrize("raw", [
     "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Long: a\r\n  folded\r\nContent-Length: {n}\r\n\r\n{body}",
-    "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\nContent-Length: {n}\r\n\r\n{body}",
     "HTTP/1.1 200 OK\r\nContent-Length: {nb}\r\n\r\n\xef\xbb\xbf{body}",
 ])
-def test_folded_and_duplicate_headers_and_a_bom_are_accepted(scripted_server, raw):
+def test_folded_headers_and_a_bom_are_accepted(scripted_server, raw):
     body = '{"choices": [{"message": {"role": "assistant", "content": "fine"}}], "model": "m"}'
     server = scripted_server({"default": [{"raw": raw.format(n=len(body), nb=len(body) + 3, body=body)}]})
     (result,), _ = _call(_settings(server))
@@ -191,6 +190,8 @@ def test_gzip_is_decoded(scripted_server):
 @pytest.mark.parametrize("raw", [
     "HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n{}",
     "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n{}\r\n0\r\n\r\n",
+    # aiohttp's parser (llhttp) refuses two Content-Length headers even when they agree (h11 accepts them)
+    "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
 ])
 def test_malformed_lengths_are_connection_errors_retried_as_the_policy_allows(scripted_server, monkeypatch, raw):
     monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
@@ -209,11 +210,23 @@ def test_a_request_read_and_dropped_is_sent_again_only_as_the_policy_allows(scri
     assert answered.message["content"] == "ok" and server.stats()["requests"] == 3
 
 
-def test_stray_bytes_after_a_body_do_not_cost_the_next_answer(scripted_server):
-    """The next request on that connection would read them as its answer and throw the real one away."""
-    server = scripted_server({"default": [{"content": "a", "trailing": "JUNK!"}]})
-    results, _ = _call(_settings(server, stream=False), times=3)
-    assert [r.message["content"] for r in results] == ["a", "a", "a"] and server.stats()["requests"] == 3
+@pytest.mark.parametrize("trailing", [{"trailing": "\r\n"}, {"trailing": "JUNK!", "trailing_delay": 0.05}])
+def test_stray_bytes_after_a_body_do_not_cost_the_next_answer(scripted_server, trailing):
+    """A connection with bytes after a body is not used again: the next request would read them as its
+    answer and throw the real one away, paid (the openai SDK over httpx does). A stray CRLF in the
+    same read as the body is accepted."""
+    server = scripted_server({"default": [{"content": "a", **trailing}]})
+
+    async def calls():
+        settings = _settings(server, stream=False)
+        endpoint, got = llm.Endpoint(settings, 1), []
+        for _ in range(3):
+            got.append(await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None))
+            await asyncio.sleep(0.1)  # the late bytes have come
+        await endpoint.close()
+        return got
+
+    assert [r.message["content"] for r in arun(calls())] == ["a", "a", "a"] and server.stats()["requests"] == 3
 
 
 def test_a_tls_handshake_that_never_answers_is_named(monkeypatch):

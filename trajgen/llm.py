@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import ipaddress
+import os
 import random
+import ssl
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import httpx
+import aiohttp
+import certifi
 import orjson
 
 from trajgen import stream
@@ -43,11 +47,13 @@ class Stalled(TimeoutError):
 
 
 class Endpoint:
-    """One worker's connection pool to the chat endpoint (httpx), shared by all its conversations.
+    """One worker's connection pool to the chat endpoint (aiohttp), shared by all its conversations.
 
-    httpx, as the openai SDK uses it: proxies (http, https, socks5), TLS with certifi or
-    SSL_CERT_FILE/SSL_CERT_DIR, gzip, and a connect timeout apart from the request's. The errors
-    keep the SDK's class names (trajgen/errors.py); the SDK itself is not used (0.75 ms of CPU a call)."""
+    aiohttp, not httpx: httpx cost 1.2-3.5 ms of CPU a call here, past the runner's whole budget
+    (bench/RESULTS.md). It brings http and https proxies, gzip, and timeouts for the connection
+    (TCP, TLS handshake, proxy tunnel) apart from the silence of a stream and from the whole
+    request; TLS trusts certifi, or SSL_CERT_FILE/SSL_CERT_DIR when set. The errors keep the
+    openai SDK's class names (trajgen/errors.py); the SDK itself is not used (0.75 ms a call)."""
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
@@ -56,47 +62,46 @@ class Endpoint:
         self.settings = settings
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
-        self._client: httpx.AsyncClient | None = None
+        self.proxy = env_proxy(self.url)
+        self._session: aiohttp.ClientSession | None = None
 
-    def _open(self) -> httpx.AsyncClient:
+    def _open(self) -> aiohttp.ClientSession:
         """Made on the loop that uses it, once per worker."""
-        if self._client is None:
-            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
-            proxy = env_proxy(self.url)
-            try:
-                transport = httpx.AsyncHTTPTransport(proxy=proxy, limits=limits, trust_env=True, retries=0)
-            except (ValueError, httpx.InvalidURL, ImportError) as e:  # a proxy URL httpx cannot use: no request can go out
-                raise FatalAPIError(f"cannot send through the proxy {proxy}: {e}") from None
+        if self._session is None:
+            if self.proxy and urllib.parse.urlsplit(self.proxy).scheme not in ("http", "https"):
+                raise FatalAPIError(f"cannot send through the proxy {self.proxy}: only http:// and https:// proxies "
+                                    "are supported")
             stall = self.settings.stall_timeout if self.settings.stream else None  # unstreamed: silent until done
-            self._client = httpx.AsyncClient(transport=transport, headers=self.headers, timeout=httpx.Timeout(
-                stall, connect=CONNECT_TIMEOUT, pool=None))
-        return self._client
+            connector = aiohttp.TCPConnector(limit=self.connections, ssl=trust())
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self.headers, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=stall))
+        return self._session
 
     async def call(self, body: bytes) -> Completion:
         """The completion of a serialized request with its timing, or the error for what happened."""
-        client, sent = self._open(), time.monotonic()
+        session, sent = self._open(), time.monotonic()
         try:
             async with asyncio.timeout(self.settings.request_timeout):
-                async with client.stream("POST", self.url, content=body) as response:
-                    head, connection = time.monotonic(), _http11(response)
-                    if not 200 <= response.status_code < 300:
+                async with session.post(self.url, data=body, proxy=self.proxy) as response:
+                    head = time.monotonic()
+                    if not 200 <= response.status < 300:
                         text = await _read(response, ERROR_BODY_LIMIT, truncate=True)
-                        raise status_error(response.status_code, response.headers, text)
-                    if response.headers.get("content-type", "").startswith("text/event-stream"):
+                        raise status_error(response.status, response.headers, text)
+                    if response.content_type == "text/event-stream":
                         completion, first_token = await _events(response, self.settings)
                     else:  # not streamed, or an endpoint that ignores `stream`
                         completion = parse_completion(await _read(response, self.settings.max_reply_bytes))
                         first_token = None
-                await _drop_if_stray_bytes(connection)
-        except httpx.ConnectTimeout as e:
+        except aiohttp.ConnectionTimeoutError:
             raise APITimeoutError() from TimeoutError(
                 f"no connection to {_origin(self.url)} within {CONNECT_TIMEOUT:g} s (TCP connect, TLS handshake or "
                 f"proxy tunnel)")
-        except httpx.ReadTimeout as e:
+        except aiohttp.SocketTimeoutError:
             raise APITimeoutError() from Stalled(f"stalled: no byte for {self.settings.stall_timeout:g} s (--stall_timeout)")
-        except (httpx.TimeoutException, TimeoutError) as e:
+        except TimeoutError as e:
             raise APITimeoutError() from e
-        except (httpx.TransportError, httpx.DecodingError, OSError) as e:
+        except (aiohttp.ClientError, OSError) as e:  # refused, reset, cut, or not HTTP as it should be
             raise APIConnectionError() from e
         end = time.monotonic()
         first_token = first_token or end
@@ -104,38 +109,24 @@ class Endpoint:
                                            "generation": round(end - first_token, 4)})
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
-def _http11(response: httpx.Response):
-    """The httpcore HTTP/1.1 connection that carries `response`, through the layers of stream that
-    wrap it (None for HTTP/2, or if httpcore's private layout changes: tests/test_streaming.py then fails)."""
-    layer = response.stream
-    for _ in range(6):
-        if layer is None or hasattr(layer, "_h11_state"):
-            return layer
-        layer = next((getattr(layer, name) for name in ("_stream", "_httpcore_stream", "_connection")
-                      if getattr(layer, name, None) is not None), None)
-    return None
+@functools.cache
+def trust() -> ssl.SSLContext:
+    """certifi's roots, or the file or directory SSL_CERT_FILE / SSL_CERT_DIR name (as httpx and requests do)."""
+    cafile, capath = os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")
+    return ssl.create_default_context(cafile=cafile or (None if capath else certifi.where()), capath=capath)
 
 
-async def _drop_if_stray_bytes(connection) -> None:
-    """Close a connection on which bytes followed the body. httpcore would hand it to the next
-    request with those bytes buffered, read them as that request's answer and throw away the answer
-    the endpoint then sent (and billed): the openai SDK does."""
-    if connection is not None and connection._h11_state.trailing_data[0]:
-        await connection.aclose()
-
-
-async def _read(response: httpx.Response, limit: int, truncate: bool = False) -> bytes:
+async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:
     """The (decoded) body, never holding more than `limit` bytes: past it, the start of it with
     `truncate`, else ReplyTooLarge."""
-    declared = response.headers.get("content-length", "")
-    if not truncate and declared.isdecimal() and int(declared) > limit:
-        raise too_large(int(declared), limit)
+    if not truncate and response.content_length is not None and response.content_length > limit:
+        raise too_large(response.content_length, limit)
     pieces, size = [], 0
-    async for piece in response.aiter_bytes():
+    async for piece in response.content.iter_any():
         size += len(piece)
         if size > limit:
             if truncate:
@@ -146,18 +137,18 @@ async def _read(response: httpx.Response, limit: int, truncate: bool = False) ->
     return b"".join(pieces).removeprefix(BOM)
 
 
-async def _events(response: httpx.Response, settings: ModelSettings) -> tuple[Completion, float | None]:
+async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> tuple[Completion, float | None]:
     """A streamed reply assembled (stream.py), and when its first token came."""
     reader, assembly, size, first_token = stream.EventReader(), stream.Assembly(), 0, None
     try:
-        async for piece in response.aiter_bytes():
+        async for piece in response.content.iter_any():
             size += len(piece)
             if size > settings.max_reply_bytes:
                 raise too_large(size, settings.max_reply_bytes)
             for data in reader.feed(piece):
                 if assembly.add(data) and first_token is None:
                     first_token = time.monotonic()
-    except httpx.ReadTimeout:
+    except aiohttp.SocketTimeoutError:
         if not assembly.done:  # complete, and only the end of the body is late: the reply stands
             raise
     if not assembly.done and assembly.finish_reason is None:
@@ -178,7 +169,7 @@ def _origin(url: str) -> str:
 def env_proxy(url: str) -> str | None:
     """The proxy the environment names for `url` (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY), unless
     NO_PROXY covers its host: a name, a domain suffix, an address or a CIDR range (10.0.0.0/8),
-    as curl reads it. httpx's own lookup ignores CIDR ranges."""
+    as curl reads it (urllib's lookup, which aiohttp uses, ignores CIDR ranges)."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
     proxies = urllib.request.getproxies_environment()

@@ -90,7 +90,8 @@ Faults of the connection (any request; ``times``/``then`` work with them too):
 - ``raw``: this exact text (latin-1) is written as the whole response, then the
   connection is closed: malformed lengths, folded headers, duplicate headers.
 - ``gzip``: the (unstreamed) body is sent gzip-compressed, with ``Content-Encoding: gzip``.
-- ``trailing``: these bytes are written right after the body, on a kept-alive connection.
+- ``trailing``: these bytes are written right after the body (in the same write), on a
+  kept-alive connection; with ``trailing_delay`` (seconds), that long after it instead.
 
 Log (``log_path`` / ``--log``): one JSON line per chat request, flushed before the
 answer is sent: ``{"t", "prompt", "turn", "body", "status", "auth"}``.
@@ -269,10 +270,13 @@ class Streamed:
 
 @dataclass
 class Raw:
-    """Bytes written as they are after the request is read; `close`: then the connection is closed."""
+    """Bytes written as they are after the request is read; `close`: then the connection is closed;
+    `later` is written `later_delay` seconds after."""
 
     data: bytes
     close: bool = True
+    later: bytes = b""
+    later_delay: float = 0.0
 
 
 @dataclass
@@ -438,8 +442,10 @@ class ScriptedBackend:
         if reply.get("gzip"):
             return Outcome(200, gzip.compress(dumps(completion)), {"Content-Encoding": "gzip"}, delay)
         if "trailing" in reply:
-            answer = encode_response(200, dumps(completion), {}, True) + str(reply["trailing"]).encode("latin-1")
-            return Outcome(200, Raw(answer, close=False), {}, delay)
+            answer, trailing = encode_response(200, dumps(completion), {}, True), str(reply["trailing"]).encode("latin-1")
+            if reply.get("trailing_delay"):
+                return Outcome(200, Raw(answer, False, trailing, float(reply["trailing_delay"])), {}, delay)
+            return Outcome(200, Raw(answer + trailing, close=False), {}, delay)
         return Outcome(200, completion, {}, delay)
 
     def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -746,6 +752,10 @@ class HttpServer:
             if isinstance(payload, Raw):
                 writer.write(payload.data)
                 await writer.drain()
+                if payload.later:
+                    await asyncio.sleep(payload.later_delay)
+                    writer.write(payload.later)
+                    await writer.drain()
                 if payload.close:
                     return
                 continue

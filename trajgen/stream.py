@@ -17,24 +17,32 @@ TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # concatenated in o
 
 class EventReader:
     """Splits the bytes of an event stream into the `data` of each whole event; comments
-    (`: OPENROUTER PROCESSING`) and other fields are dropped."""
+    (`: OPENROUTER PROCESSING`) and other fields are dropped. Only the new bytes are searched
+    for an event's end, so one huge event costs linear time."""
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._buffer = bytearray()
+        self._cr = False  # the last piece ended with a CR, already read as a line end
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer, cut = self._pending + data, b""
-        if b"\r" in buffer:  # CRLF or CR line ends; a CR at the end may be half of a CRLF
-            if buffer.endswith(b"\r"):
-                buffer, cut = buffer[:-1], b"\r"
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, rest = buffer.split(b"\n\n")
-        self._pending = rest + cut
+        if self._cr and data.startswith(b"\n"):  # the rest of a CRLF cut between two reads
+            data = data[1:]
+        if b"\r" in data:
+            self._cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        else:
+            self._cr = False
+        start = max(0, len(self._buffer) - 1)
+        self._buffer += data
+        if self._buffer.find(b"\n\n", start) < 0:
+            return []
+        *events, rest = self._buffer.split(b"\n\n")
+        self._buffer = bytearray(rest)
         found = []
         for event in events:
             lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if lines:
-                found.append(b"\n".join(lines))
+                found.append(bytes(b"\n".join(lines)))
         return found
 
 
@@ -103,8 +111,11 @@ class Assembly:
                 call[key] = part[key]
         function = part.get("function") or {}
         for key in ("name", "arguments"):
-            if isinstance(piece := function.get(key), str):
-                call["function"][key] = call["function"].get(key, "") + piece
+            piece, sofar = function.get(key), call["function"].get(key)
+            if isinstance(piece, str) and (sofar is None or isinstance(sofar, str)):
+                call["function"][key] = (sofar or "") + piece
+            elif piece is not None:  # whole, and not text (object arguments): model.checked judges it as unstreamed
+                call["function"][key] = piece
 
     def message(self) -> dict:
         """The assistant message as a non-streamed reply carries it."""
