@@ -773,6 +773,12 @@ class HttpServer:
                       keep_alive: bool) -> bool:
         """Send a streamed answer as a chunked body; False when the connection must end here."""
         head = encode_response(200, b"", headers, keep_alive).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+        if not (plan.chunk_delay or plan.write_bytes or plan.comments or plan.stall_after is not None
+                or plan.cut_after is not None):  # nothing to pace: one write, as an unstreamed answer is
+            writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events) + b"0\r\n\r\n")
+            await writer.drain()
+            self.backend.stream_events += len(plan.events)
+            return keep_alive
         writer.write(head)
         await writer.drain()
         for n, event in enumerate(plan.events):
