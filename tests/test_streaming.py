@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
+import ssl
+import subprocess
 import time
 from dataclasses import replace
 
@@ -294,3 +297,75 @@ def test_a_streamed_run_counts_stalls_and_latency_and_a_reply_over_the_cap_fails
     assert rows["stalls"]["metadata"]["usage"]["stalls"] == 1
     assert all(r["body"].get("stream") is True for r in server.requests())
     assert "first token median / p95" in done.stdout + done.stderr and "stalls" in done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(folder / "key.pem"),
+                    "-out", str(folder / "cert.pem")], check=True, capture_output=True)
+    return folder / "cert.pem", folder / "key.pem"
+
+
+def test_tls_trusts_certifi_or_ssl_cert_file_and_an_https_proxy_tunnels(certificate, monkeypatch, scripted_server):
+    """A TLS front to the scripted server with a certificate only SSL_CERT_FILE trusts, reached
+    directly and through an https:// proxy (TLS to the proxy, then CONNECT)."""
+    cert, key = certificate
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server = scripted_server({"default": [{"content": "secure"}]})
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+                 "NO_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def pipe(src, dst):
+        while data := await src.read(65536):
+            dst.write(data)
+            await dst.drain()
+        dst.close()
+
+    async def front(reader, writer):  # TLS in front of the scripted server
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    tunnels = []
+
+    async def proxy(reader, writer):  # an https proxy: TLS from the client, then CONNECT
+        head = await reader.readuntil(b"\r\n\r\n")
+        tunnels.append(head.split(b"\r\n")[0])
+        port = int(head.split(b" ")[1].rsplit(b":", 1)[1])
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    async def calls():
+        tls_front = await asyncio.start_server(front, "127.0.0.1", 0, ssl=tls)
+        tls_proxy = await asyncio.start_server(proxy, "127.0.0.1", 0, ssl=tls)
+        settings = ModelSettings(model="m", base_url=f"https://localhost:{tls_front.sockets[0].getsockname()[1]}/v1",
+                                 api_key="k", max_retries=0)
+        results = []
+        for env in ({}, {"SSL_CERT_FILE": str(cert)},
+                    {"SSL_CERT_FILE": str(cert), "HTTPS_PROXY": f"https://localhost:{tls_proxy.sockets[0].getsockname()[1]}"}):
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            llm.trust.cache_clear()
+            endpoint = llm.Endpoint(settings, 1)
+            try:
+                results.append((await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None,
+                                                   lambda: None)).message["content"])
+            except errors.APIConnectionError as e:
+                results.append(llm.describe(e)[1])
+            finally:
+                await endpoint.close()
+        tls_front.close()
+        tls_proxy.close()
+        return results
+
+    untrusted, trusted, proxied = arun(calls())
+    llm.trust.cache_clear()
+    assert "certificate verify failed" in untrusted
+    assert trusted == proxied == "secure" and tunnels[0].startswith(b"CONNECT localhost:")
