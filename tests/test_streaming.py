@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -369,3 +370,30 @@ def test_tls_trusts_certifi_or_ssl_cert_file_and_an_https_proxy_tunnels(certific
     llm.trust.cache_clear()
     assert "certificate verify failed" in untrusted
     assert trusted == proxied == "secure" and tunnels[0].startswith(b"CONNECT localhost:")
+
+
+def test_kill_9_mid_stream_asks_that_call_again_and_no_complete_reply(cli, scripted_server):
+    """A reply is journaled only once its stream is complete: after a kill -9 mid-stream, --resume
+    asks that one call again, and never the turn whose reply had arrived."""
+    from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+    from trajgen import store
+    server = scripted_server({"default": [call("terminal", command="echo hi"),
+                                          {**think("slowly"), "pieces": 1, "chunk_delay": 0.2}]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "long"}])
+    args = cli.args(server, num_workers=1, concurrency=1)
+    first = cli.start(*args)
+    deadline = time.monotonic() + 120
+    while server.stats()["stream_events"] < 5:  # turn 0 streamed whole, turn 1 under way
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.05)
+    journaled = [e["turn"] for e in store.read_records(cli.run_dir() / store.JOURNAL, [])]
+    kill_group(first)
+    first.wait()
+    assert journaled == [0]  # the stream in flight is not journaled
+    server.set_script({"default": [call("terminal", command="echo hi"), think("at once")]})
+    done = cli.run(*args, "--resume")
+    assert done.returncode == 0, done.stderr
+    asked = Counter(r["turn"] for r in server.requests())
+    assert asked == Counter({0: 1, 1: 2})
+    row, = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert row["metadata"]["usage"]["replayed"]["turns"] == 1 and "at once" in row["conversations"][-1]["value"]
