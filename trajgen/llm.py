@@ -72,7 +72,8 @@ class Endpoint:
                 raise FatalAPIError(f"cannot send through the proxy {self.proxy}: only http:// and https:// proxies "
                                     "are supported")
             stall = self.settings.stall_timeout if self.settings.stream else None  # unstreamed: silent until done
-            connector = aiohttp.TCPConnector(limit=self.connections, ssl=trust())
+            tls = any(u and u.startswith("https:") for u in (self.url, self.proxy))
+            connector = aiohttp.TCPConnector(limit=self.connections, ssl=trust() if tls else True)
             self._session = aiohttp.ClientSession(
                 connector=connector, headers=self.headers, trust_env=False,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=stall))
