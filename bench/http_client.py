@@ -183,7 +183,8 @@ async def _huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kind
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             else:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-                writer.write(b'9\r\ndata: {"a"\r\n')
+                start = b'data: {"a": "'
+                writer.write(b"%x\r\n%s\r\n" % (len(start), start))
             for _ in range(300):
                 writer.write(block if kind == "length" else b"%x\r\n%s\r\n" % (len(block), block))
                 await writer.drain()
@@ -209,14 +210,16 @@ def part_memory() -> list[str]:
                                 "--max_retries=0", *flags], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env={**os.environ, "PYTHONPATH": str(ROOT)})
         peaks: dict[int, int] = {}
+        servers: set[int] = set()  # the fork server (the workers are its children, with its command line)
         while cli.poll() is None:
+            servers |= {int(c) for c in _children(cli.pid)}
             for child in _descendants(cli.pid):
                 try:
                     status = Path(f"/proc/{child}/status").read_text()
                     cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if b"forkserver" in cmdline or b"multiprocessing" in cmdline:
+                if b"forkserver" in cmdline and child not in servers:
                     hwm = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
                     peaks[child] = max(peaks.get(child, 0), hwm)
             time.sleep(0.05)
@@ -227,9 +230,19 @@ def part_memory() -> list[str]:
         thread.join()
         shown = ", ".join(f"{kb / 1024:.0f}" for kb in sorted(peaks.values()))
         lines.append(f"| {kind} ({' '.join(flags) or '--stream'}) | {shown} MB | {stats['failed']['total']} | "
-                     f"{failure['error_class']}: {failure['error'][:90]} |")
+                     f"{failure['error_class']}: {failure['message'][:90]} |")
         print(lines[-1], flush=True)
     return lines
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in children.read_text().split()]
+        except OSError:
+            pass
+    return found
 
 
 def _descendants(pid: int) -> list[int]:

@@ -121,21 +121,22 @@ def trust() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=cafile or (None if capath else certifi.where()), capath=capath)
 
 
-async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:
-    """The (decoded) body, never holding more than `limit` bytes: past it, the start of it with
-    `truncate`, else ReplyTooLarge."""
+async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytearray:
+    """The (decoded) body, never holding more than `limit` bytes (and no second copy of them): past
+    it, the start of it with `truncate`, else ReplyTooLarge."""
     if not truncate and response.content_length is not None and response.content_length > limit:
         raise too_large(response.content_length, limit)
-    pieces, size = [], 0
+    body = bytearray()
     async for piece in response.content.iter_any():
-        size += len(piece)
-        if size > limit:
+        if len(body) + len(piece) > limit:
             if truncate:
-                pieces.append(piece[:limit - size])
+                body += piece[:limit - len(body)]
                 break
-            raise too_large(size, limit)
-        pieces.append(piece)
-    return b"".join(pieces).removeprefix(BOM)
+            raise too_large(len(body) + len(piece), limit)
+        body += piece
+    if body.startswith(BOM):
+        del body[:len(BOM)]
+    return body
 
 
 async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> tuple[Completion, float | None]:
@@ -255,14 +256,14 @@ class Completion:
     timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
 
 
-def parse_completion(body: bytes) -> Completion:
+def parse_completion(body: bytes | bytearray) -> Completion:
     """The completion in a 200 body, or the error it carries instead."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise MalformedResponse(f"the reply is not JSON: {body[:200]!r}") from None
+        raise MalformedResponse(f"the reply is not JSON: {bytes(body[:200])!r}") from None
     if not isinstance(data, dict):
-        raise MalformedResponse(f"the reply is not a JSON object: {body[:200]!r}")
+        raise MalformedResponse(f"the reply is not a JSON object: {bytes(body[:200])!r}")
     if isinstance(error := data.get("error"), dict):
         raise stream.provider_error(error)
     choices = data.get("choices")
