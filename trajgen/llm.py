@@ -100,8 +100,9 @@ class Endpoint:
                 f"proxy tunnel)")
         except aiohttp.SocketTimeoutError:
             raise APITimeoutError() from Stalled(f"stalled: no byte for {self.settings.stall_timeout:g} s (--stall_timeout)")
-        except TimeoutError as e:
-            raise APITimeoutError() from e
+        except TimeoutError:
+            raise APITimeoutError() from TimeoutError(
+                f"the request took over {self.settings.request_timeout:g} s (--request_timeout)")
         except (aiohttp.ClientError, OSError) as e:  # refused, reset, cut, or not HTTP as it should be
             raise APIConnectionError() from e
         end = time.monotonic()
