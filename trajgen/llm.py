@@ -58,7 +58,7 @@ class Endpoint:
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
         self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
-                        "Accept": "text/event-stream" if settings.stream else "application/json"}
+                        "Accept": "application/json"}  # streamed too, as the openai SDK sends it
         self.settings = settings
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
