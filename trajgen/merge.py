@@ -42,7 +42,7 @@ class Tally:
     reasoning_tokens: int = 0
     cost: float | None = None
     stalls: int = 0  # calls abandoned for silence (--stall_timeout) and asked again
-    latency: dict[str, array] = field(default_factory=lambda: {k: array("f") for k in LATENCY_KEYS})
+    latency: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in LATENCY_KEYS})  # bin -> replies
 
     def add(self, row: dict) -> None:
         self.rows += 1
@@ -58,7 +58,7 @@ class Tally:
         self.add_usage(meta.get("usage") or {})
         for key, values in (meta.get("latency") or {}).items():
             if key in self.latency:
-                self.latency[key].extend(values)
+                self.latency[key].update(map(_bin, values))
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -308,13 +308,29 @@ def statistics(merged: Merged, header: dict) -> dict:
     }
 
 
-def _spread(values: array) -> dict:
+LATENCY_BINS_PER_DECADE = 100  # bins 2.3% wide: a median or p95 to within 1.2%, in memory that does not grow with the run
+
+
+def _bin(seconds: float) -> int:
+    return round(math.log10(max(seconds, 1e-4)) * LATENCY_BINS_PER_DECADE)
+
+
+def _spread(bins: Counter) -> dict:
     """Median and 95th percentile (nearest rank) of seconds per reply, over the replies that said."""
-    if not values:
+    total = sum(bins.values())
+    if not total:
         return {"replies": 0, "median": None, "p95": None}
-    ordered = sorted(values)
-    rank = lambda q: ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]  # noqa: E731
-    return {"replies": len(ordered), "median": round(rank(0.5), 3), "p95": round(rank(0.95), 3)}
+    ordered = sorted(bins.items())
+
+    def rank(q: float) -> float:
+        seen, target = 0, math.ceil(q * total)
+        for b, n in ordered:
+            seen += n
+            if seen >= target:
+                return round(10 ** (b / LATENCY_BINS_PER_DECADE), 3)
+        raise AssertionError("unreachable")
+
+    return {"replies": total, "median": rank(0.5), "p95": rank(0.95)}
 
 
 def _tokens(tally: Tally) -> dict:
