@@ -58,7 +58,6 @@ class Assembly:
     model: object = None
     provider: object = None
     done: bool = False  # `data: [DONE]` arrived
-    tokens: int = 0  # chunks that carried part of the answer (content, reasoning or a tool call)
 
     def add(self, data: bytes) -> bool:
         """Take one event's data; True when it carried part of the answer."""
@@ -99,7 +98,6 @@ class Assembly:
         for call in delta.get("tool_calls") or []:
             self._add_call(call)
             carried = True
-        self.tokens += carried
         return carried
 
     def _add_call(self, part) -> None:
