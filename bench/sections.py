@@ -148,7 +148,8 @@ def section_pool(args) -> dict:
     """One process, one openai.AsyncOpenAI client, `conns` requests in flight (one worker's share of
     --concurrency): CPU per request of the openai SDK over the legacy httpx client (what trajgen/llm.py
     passed until d607319), over httpx2 (the SDK's own default) and over aiohttp (openai.DefaultAioHttpClient;
-    `pip install aiohttp`), at latency 0.25 s. The runner uses none of them now: trajgen/transport.py."""
+    `pip install aiohttp`), at latency 0.25 s. The runner uses aiohttp without the SDK (trajgen/llm.py;
+    bench/http_client.py measures it)."""
     out: dict = {"latency": LATENCY, "runs": collections.defaultdict(list)}
     with Server(SCRIPT_PLAIN, LATENCY, "pool") as server:
         for rep in range(args.repeats):

@@ -229,7 +229,7 @@ def _normalized(run_dir: Path) -> dict:
                    for r in read_jsonl(run_dir / "trajectories.jsonl")),
                   key=lambda r: r["index"])
     statistics = json.loads((run_dir / "statistics.json").read_text())
-    for key in ("run_name", "duration_seconds", "duration_seconds_total", "merged_from"):
+    for key in ("run_name", "duration_seconds", "duration_seconds_total", "merged_from", "latency"):  # times differ
         statistics.pop(key)
     return {"files": sorted(p.name for p in run_dir.iterdir()), "rows": rows, "statistics": statistics}
 

@@ -59,12 +59,13 @@ def _comparable(run_dir) -> tuple[list[dict], dict]:
     rows = sorted(read_jsonl(run_dir / "trajectories.jsonl"), key=lambda r: (r["conversations"][1]["value"], r["prompt_index"]))
     for row in rows:
         meta = row["metadata"]
-        for name in ("timestamp", "batch_num"):
+        for name in ("timestamp", "batch_num", "latency"):
             meta.pop(name)
         meta["usage"].pop("wall_seconds")
         meta["usage"].pop("replayed")
     stats = json.loads((run_dir / "statistics.json").read_text())
-    for name in ("run_name", "duration_seconds", "duration_seconds_total", "total_batches", "generated_at", "merged_from"):
+    for name in ("run_name", "duration_seconds", "duration_seconds_total", "total_batches", "generated_at", "merged_from",
+                 "latency"):
         stats.pop(name, None)
     return rows, stats
 

@@ -124,6 +124,30 @@ def test_stream_true_answers_server_sent_events(scripted_server):
     assert final.usage.total_tokens == 7
 
 
+def test_awkward_streams_assemble_in_the_openai_sdk_to_the_unstreamed_message(scripted_server):
+    """Pieces of 3 characters, written 5 bytes at a time (inside UTF-8 characters and the JSON),
+    comments between chunks, two tool calls interleaved with their ids and names apart: the SDK's
+    own assembler gets the message the unstreamed answer carries."""
+    reply = {"content": "héllo wörld ☃ done", "reasoning": "thïnk first",
+             "tool_calls": [{"name": "search", "arguments": {"q": "naïve ☃"}, "id": "a"},
+                            {"name": "read_file", "arguments": {"path": "/tmp/x"}, "id": "b"}],
+             "pieces": 3, "write_bytes": 5, "comments": True}
+    handle = scripted_server({"default": [reply]})
+    client = client_for(handle)
+    plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                        stream_options={"include_usage": True}) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    got, want = final.choices[0].message, plain.choices[0].message
+    assert got.content == want.content == "héllo wörld ☃ done"
+    assert [(c.id, c.function.name, c.function.arguments) for c in got.tool_calls] == [
+        (c.id, c.function.name, c.function.arguments) for c in want.tool_calls]
+    assert got.model_extra["reasoning"] == "thïnk first" and final.usage.total_tokens == 15
+    assert handle.stats()["stream_events"] > 20
+
+
 def test_defaults_without_script_entries(scripted_server):
     handle = scripted_server({})
     response = chat(client_for(handle), "unknown")
@@ -271,7 +295,7 @@ def test_models_stats_and_404(scripted_server):
     with pytest.raises(openai.InternalServerError):
         chat(client, "bad")
     stats = httpx.get(f"{handle.root_url}/_stats").json()
-    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}}
+    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}, "stream_events": 0}
     assert handle.stats() == stats
 
     missing = httpx.get(f"{handle.root_url}/v1/nope")

@@ -132,6 +132,9 @@ def test_the_summary_shows_statistics_json_and_the_cli_s_numbers(made, url, page
     assert shown["filtered (hallucinated tool)"] == str(stats["filtered_hallucinated"]) == "1"
     assert shown["api calls"] == str(stats["api_calls"])
     assert shown["reasoning coverage"].startswith(f"{stats['reasoning_statistics']['coverage_percent']}% of ")
+    first_token = stats["latency"]["first_token"]
+    assert shown["first token median / p95"] == f"{first_token['median']:.2f} s / {first_token['p95']:.2f} s"
+    assert shown["stalls (calls asked again)"] == str(stats["stalls"]) == "0"
     for name, value in shown.items():  # the terminal's summary table printed the very same
         assert re.search(re.escape(name) + r"\s*│\s*" + re.escape(value) + r"\s*│", done.stdout), name
     tools = page.locator("table.tools tbody tr").all_inner_texts()

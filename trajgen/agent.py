@@ -29,6 +29,7 @@ class Conversation:
     served_by: list[dict] = field(default_factory=list)  # each distinct model/provider the responses named
     results: list[dict] = field(default_factory=list)  # each tool result, in the order of the tool messages
     usage: dict = field(default_factory=no_usage)
+    timings: list[dict] = field(default_factory=list)  # each reply's timing (empty when it had none)
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     wall_seconds: float = 0.0
     ended_at: str = ""
@@ -39,6 +40,7 @@ class Conversation:
         if reply.served_by and reply.served_by not in self.served_by:
             self.served_by.append(reply.served_by)
         add_usage(self.usage, reply.usage)
+        self.timings.append(reply.timing)
         calls = [] if final_call else [
             {"id": c.get("id") or f"call_{len(self.replies)}_{i}", "type": "function",
              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments")}}
@@ -124,6 +126,7 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
         "dataset": {"fingerprint": task.dataset_fingerprint, "line": task.prompt_index + 1},
         "hallucinated_tools": hallucinated, "assistant_turns": len(conv.replies), "turns_with_reasoning": reasoning_turns,
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
+        "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
     }
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,

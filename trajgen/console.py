@@ -146,12 +146,22 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("tokens prompt / completion / reasoning",
          " / ".join(str(stats["tokens"][k]) for k in ("prompt", "completion", "reasoning"))),
         ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
+        *latency_rows(stats),
         ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
                                f"{stats['reasoning_statistics']['total_assistant_turns']} assistant turns"),
         ("duration (this run / total)",
          f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
     ]
     return [(name, str(value)) for name, value in rows]
+
+
+def latency_rows(stats: dict) -> list[tuple[str, str]]:
+    """Seconds per reply to the first byte, to the first token, of generation (median / p95), and stalls."""
+    latency = stats.get("latency") or {}
+    rows = [(f"{name} median / p95", f"{s['median']:.2f} s / {s['p95']:.2f} s")
+            for key, name in (("first_byte", "first byte"), ("first_token", "first token"), ("generation", "generation"))
+            if (s := latency.get(key)) and s["replies"]]
+    return rows + [("stalls (calls asked again)", stats.get("stalls", 0))]
 
 
 def verification_rows(stats: dict) -> list[tuple[str, str]]:

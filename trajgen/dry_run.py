@@ -23,8 +23,8 @@ async def _probe(settings: ModelSettings) -> str | None:
     """None when the endpoint answers a one-token request, else why it does not."""
     endpoint = llm.Endpoint(settings, connections=1)
     try:
-        await endpoint.post(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
-    except (errors.APIStatusError, errors.APIConnectionError) as e:
+        await endpoint.call(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
+    except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
         cause = errors.unreachable_cause(e)
         return f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}"
     finally:

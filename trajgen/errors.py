@@ -68,6 +68,10 @@ class EmptyAnswer(MalformedResponse):
     (a retry answers), so the prompt fails and --resume asks it again."""
 
 
+class ReplyTooLarge(MalformedResponse):
+    """The endpoint's reply is larger than --max_reply_mb: refused before more than the cap is held."""
+
+
 class InternalError(Exception):
     """An error nobody foresaw ended the prompt (a bug of ours or of a tool): failures.jsonl names
     this class, with the original error in the message and its traceback kept for a report."""
@@ -153,7 +157,8 @@ def unreachable_cause(error: BaseException) -> str | None:
         if isinstance(cause, socket.gaierror):
             return f"the host name does not resolve ({cause.strerror or cause})"
         if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"TLS failure: the certificate is not accepted ({cause.verify_message or cause})"
+            cause = getattr(cause, "certificate_error", cause)  # aiohttp's wrapper holds the ssl module's error
+            return f"TLS failure: the certificate is not accepted ({getattr(cause, 'verify_message', None) or cause})"
         if isinstance(cause, ssl.SSLError):
             return f"TLS failure ({cause.reason or cause})"
         cause = cause.__cause__ or cause.__context__

@@ -1,30 +1,36 @@
 """Model calls: one connection pool per worker, one retry policy, and a signal when the endpoint throttles.
 
-Retries: 429, 408, 409, 5xx, timeouts and connection errors are retried, up to `--max_retries`
+Retries: 429, 408, 409, 5xx, timeouts, stalls and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
 never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop the run, and so do a
 404 and an endpoint out of reach (refused, unresolvable, TLS) before it has ever answered (the
-model or the endpoint does not exist); other 4xx fail the prompt at once. A 200 whose body is
-an error object is treated like the status it names; one that is not a completion is
-MalformedResponse.
+model or the endpoint does not exist); other 4xx fail the prompt at once. A 200 whose body (or
+a streamed chunk) is an error object is treated like the status it names; one that is not a
+completion is MalformedResponse, and one larger than --max_reply_mb is ReplyTooLarge.
 """
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
+import ipaddress
+import os
 import random
+import ssl
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import aiohttp
+import certifi
 import orjson
 
-from trajgen import transport
+from trajgen import stream
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
-                            MalformedResponse, ProviderError, status_error, unreachable_cause)
+                            MalformedResponse, ProviderError, ReplyTooLarge, status_error, unreachable_cause)
 from trajgen.work import ModelSettings
 
 BACKOFF_BASE = 1.0
@@ -32,54 +38,171 @@ BACKOFF_CAP = 30.0
 RETRY_AFTER_CAP = 120.0
 FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "access denied"}
 OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
+CONNECT_TIMEOUT = 10.0  # seconds to connect, TLS handshake and proxy tunnel included (the openai SDK allows 5)
+ERROR_BODY_LIMIT = 1 << 16  # bytes of a non-2xx body kept for its message
+BOM = b"\xef\xbb\xbf"
+
+
+class Stalled(TimeoutError):
+    """No byte (chunk or comment) arrived for --stall_timeout seconds: the stream is abandoned and asked again."""
 
 
 class Endpoint:
-    """One worker's connection pool to the chat endpoint, shared by all its conversations.
+    """One worker's connection pool to the chat endpoint (aiohttp), shared by all its conversations.
 
-    Our own small HTTP/1.1 client (trajgen/transport.py), not the openai SDK nor aiohttp: both cost
-    several times its CPU per call (bench/RESULTS.md, "The chat calls' HTTP client"). The errors
-    keep the SDK's class names (trajgen/errors.py)."""
+    aiohttp, not httpx: httpx cost 1.2-3.5 ms of CPU a call here, past the runner's whole budget
+    (bench/RESULTS.md). It brings http and https proxies, gzip, and timeouts for the connection
+    (TCP, TLS handshake, proxy tunnel) apart from the silence of a stream and from the whole
+    request; TLS trusts certifi, or SSL_CERT_FILE/SSL_CERT_DIR when set. The errors keep the
+    openai SDK's class names (trajgen/errors.py); the SDK itself is not used (0.75 ms a call)."""
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
         self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
-                        "Accept": "application/json"}
-        self.timeout = settings.request_timeout
+                        "Accept": "application/json"}  # streamed too, as the openai SDK sends it
+        self.settings = settings
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
-        self._client: transport.Client | None = None
+        self.proxy = env_proxy(self.url)
+        self._session: aiohttp.ClientSession | None = None
 
-    async def post(self, body: bytes) -> bytes:
-        """The body of a 2xx reply to a serialized request, or the error for what happened."""
-        if self._client is None:  # made on the loop that uses it
-            proxy = env_proxy(self.url)
-            try:
-                self._client = transport.Client(self.url, self.connections, proxy)
-            except ValueError as e:  # an https:// proxy in the environment: no request can go out
-                raise FatalAPIError(f"cannot send through the proxy {proxy}: {e}") from None
+    def _open(self) -> aiohttp.ClientSession:
+        """Made on the loop that uses it, once per worker."""
+        if self._session is None:
+            if self.proxy and urllib.parse.urlsplit(self.proxy).scheme not in ("http", "https"):
+                raise FatalAPIError(f"cannot send through the proxy {self.proxy}: only http:// and https:// proxies "
+                                    "are supported")
+            stall = self.settings.stall_timeout if self.settings.stream else None  # unstreamed: silent until done
+            tls = any(u and u.startswith("https:") for u in (self.url, self.proxy))
+            connector = aiohttp.TCPConnector(limit=self.connections, ssl=trust() if tls else True)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self.headers, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=stall))
+        return self._session
+
+    async def call(self, body: bytes) -> Completion:
+        """The completion of a serialized request with its timing, or the error for what happened."""
+        session, sent = self._open(), time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout):
-                response = await self._client.post(body, self.headers)
-        except TimeoutError as e:
-            raise APITimeoutError() from e
-        except (OSError, asyncio.IncompleteReadError, transport.ProtocolError) as e:
+            async with asyncio.timeout(self.settings.request_timeout):
+                async with session.post(self.url, data=body, proxy=self.proxy) as response:
+                    head = time.monotonic()
+                    if not 200 <= response.status < 300:
+                        text = await _read(response, ERROR_BODY_LIMIT, truncate=True)
+                        raise status_error(response.status, response.headers, text)
+                    if response.content_type == "text/event-stream":
+                        completion, first_token = await _events(response, self.settings)
+                    else:  # not streamed, or an endpoint that ignores `stream`
+                        completion = parse_completion(await _read(response, self.settings.max_reply_bytes))
+                        first_token = None
+        except aiohttp.ConnectionTimeoutError:
+            raise APITimeoutError() from TimeoutError(
+                f"no connection to {_origin(self.url)} within {CONNECT_TIMEOUT:g} s (TCP connect, TLS handshake or "
+                f"proxy tunnel)")
+        except aiohttp.SocketTimeoutError:
+            raise APITimeoutError() from Stalled(f"stalled: no byte for {self.settings.stall_timeout:g} s (--stall_timeout)")
+        except TimeoutError:
+            raise APITimeoutError() from TimeoutError(
+                f"the request took over {self.settings.request_timeout:g} s (--request_timeout)")
+        except (aiohttp.ClientError, OSError) as e:  # refused, reset, cut, or not HTTP as it should be
             raise APIConnectionError() from e
-        if not 200 <= response.status < 300:
-            raise status_error(response.status, response.headers, response.body)
-        return response.body
+        end = time.monotonic()
+        first_token = first_token or end
+        return replace(completion, timing={"first_byte": round(head - sent, 4), "first_token": round(first_token - sent, 4),
+                                           "generation": round(end - first_token, 4)})
 
     async def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        if self._session is not None:
+            await self._session.close()
+
+
+@functools.cache
+def trust() -> ssl.SSLContext:
+    """certifi's roots, or the file or directory SSL_CERT_FILE / SSL_CERT_DIR name (as httpx and requests do)."""
+    cafile, capath = os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")
+    return ssl.create_default_context(cafile=cafile or (None if capath else certifi.where()), capath=capath)
+
+
+async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytearray:
+    """The (decoded) body, never holding more than `limit` bytes (and no second copy of them): past
+    it, the start of it with `truncate`, else ReplyTooLarge."""
+    if not truncate and response.content_length is not None and response.content_length > limit:
+        raise too_large(response.content_length, limit)
+    body = bytearray()
+    async for piece in response.content.iter_any():
+        if len(body) + len(piece) > limit:
+            if truncate:
+                body += piece[:limit - len(body)]
+                break
+            raise too_large(len(body) + len(piece), limit)
+        body += piece
+    if body.startswith(BOM):
+        del body[:len(BOM)]
+    return body
+
+
+async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> tuple[Completion, float | None]:
+    """A streamed reply assembled (stream.py), and when its first token came."""
+    reader, assembly, size, first_token = stream.EventReader(), stream.Assembly(), 0, None
+    try:
+        async for piece in response.content.iter_any():
+            size += len(piece)
+            if size > settings.max_reply_bytes:
+                raise too_large(size, settings.max_reply_bytes)
+            for data in reader.feed(piece):
+                if assembly.add(data) and first_token is None:
+                    first_token = time.monotonic()
+    except aiohttp.SocketTimeoutError:
+        if not assembly.done:  # complete, and only the end of the body is late: the reply stands
+            raise
+    if not assembly.done and assembly.finish_reason is None:
+        raise APIConnectionError("the stream ended before the reply did")
+    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider), first_token
+
+
+def too_large(size: int, limit: int) -> ReplyTooLarge:
+    return ReplyTooLarge(f"the reply is larger than --max_reply_mb={limit / (1 << 20):g} "
+                         f"({size:,} bytes or more); nothing past the cap was kept")
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def env_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url` (HTTPS_PROXY, NO_PROXY, ...), looked up once per worker."""
+    """The proxy the environment names for `url` (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY), unless
+    NO_PROXY covers its host: a name, a domain suffix, an address or a CIDR range (10.0.0.0/8),
+    as curl reads it (urllib's lookup, which aiohttp uses, ignores CIDR ranges)."""
     parts = urllib.parse.urlsplit(url)
-    if urllib.request.proxy_bypass_environment(parts.hostname or ""):
+    host = parts.hostname or ""
+    proxies = urllib.request.getproxies_environment()
+    if _bypassed(host, proxies.get("no", "")):
         return None
-    return urllib.request.getproxies_environment().get(parts.scheme)
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
+def _bypassed(host: str, no_proxy: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        if address is not None:
+            try:
+                if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                    return True
+                continue
+            except ValueError:
+                pass
+        name = entry.lstrip(".").split(":")[0]
+        if host.lower() == name or host.lower().endswith("." + name):
+            return True
+    return False
 
 
 def describe(error: BaseException) -> tuple[str, str]:
@@ -117,7 +240,10 @@ def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict
                  forbid_tools: bool = False) -> bytes:
     """Serialized once by orjson: the SDK's typed `create` walks every message of the history in
     Python on every call, which cost more CPU than the rest of a turn."""
-    return orjson.dumps(request_args(settings, messages, tools, forbid_tools))
+    args = request_args(settings, messages, tools, forbid_tools)
+    if settings.stream:  # not part of request_args: the journal's hash does not depend on it
+        args |= {"stream": True, "stream_options": {"include_usage": True}}
+    return orjson.dumps(args)
 
 
 @dataclass(frozen=True)
@@ -129,20 +255,19 @@ class Completion:
     usage: object  # the usage object as sent (checked by the caller), None when absent
     model: object  # the `model` field as sent
     provider: object  # OpenRouter's `provider` field, when present
+    timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
 
 
-def parse_completion(body: bytes) -> Completion:
+def parse_completion(body: bytes | bytearray) -> Completion:
     """The completion in a 200 body, or the error it carries instead."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        raise MalformedResponse(f"the reply is not JSON: {body[:200]!r}") from None
+        raise MalformedResponse(f"the reply is not JSON: {bytes(body[:200])!r}") from None
     if not isinstance(data, dict):
-        raise MalformedResponse(f"the reply is not a JSON object: {body[:200]!r}")
+        raise MalformedResponse(f"the reply is not a JSON object: {bytes(body[:200])!r}")
     if isinstance(error := data.get("error"), dict):
-        code = error.get("code")
-        status = int(code) if isinstance(code, (int, str)) and str(code).isdigit() else None
-        raise ProviderError(str(error.get("message") or error)[:2000], status)
+        raise stream.provider_error(error)
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
         raise MalformedResponse("the reply has no choices" if choices is None else f"the reply has choices: {choices!r}"[:2000])
@@ -214,20 +339,23 @@ async def complete(
     tools: list[dict] | None,
     on_throttle: Callable[[], None],
     forbid_tools: bool = False,
+    on_stall: Callable[[], None] = lambda: None,
     on_retry: Callable[[Exception, int, int, float], None] | None = None,
 ) -> Completion:
-    """One chat completion, retried per the policy above; `on_retry(error, attempt, max_retries, wait)`
-    before each wait."""
+    """One chat completion, retried per the policy above; `on_stall` hears of every stalled try,
+    `on_retry(error, attempt, max_retries, wait)` of each wait."""
     body = request_body(settings, messages, tools, forbid_tools)
     started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
         try:
-            completion = parse_completion(await endpoint.post(body))
+            completion = await endpoint.call(body)
             endpoint.answered = True
             return completion
         except (APIStatusError, APIConnectionError, ProviderError) as error:
             if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
+            if isinstance(error.__cause__, Stalled):
+                on_stall()
             wait = retry_wait(error, wait, endpoint.answered)
             if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
                 raise

@@ -24,6 +24,7 @@ class Reply:
     message: dict  # the assistant message as the endpoint returned it: content, tool_calls, reasoning fields
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, reasoning_tokens, cost (any missing)
     served_by: dict = field(default_factory=dict)  # the response's `model`, and `provider` when OpenRouter names one
+    timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
 
 
 class ModelClient(Protocol):
@@ -34,19 +35,24 @@ class ModelClient(Protocol):
 
 
 class OpenAIModel:
-    """An OpenAI-compatible endpoint through one shared connection."""
+    """An OpenAI-compatible endpoint through the worker's shared connection pool, for one prompt:
+    `stalls` counts its calls abandoned for silence."""
 
     def __init__(self, endpoint: llm.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None],
                  on_retry: Callable[[Exception, int, int, float], None] | None = None):
         self.endpoint, self.settings, self.on_throttle, self.on_retry = endpoint, settings, on_throttle, on_retry
+        self.stalls = 0
+
+    def _stalled(self) -> None:
+        self.stalls += 1
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
         response = await llm.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools,
-                                      self.on_retry)
+                                      self._stalled, self.on_retry)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, _usage(response.usage))
-        return replace(reply, served_by=served_by)
+        return replace(reply, served_by=served_by, timing=response.timing)
 
 
 def _short(value) -> str:

@@ -100,7 +100,10 @@ class RunOptions:
     seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True, group="sampling")
     max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0, group="limits")
     retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0, group="limits")
-    request_timeout: float = flag(600.0, "Seconds per API request.", minimum=0.001, group="limits")
+    request_timeout: float = flag(1800.0, "Seconds an API request may take in all, a long generation that keeps streaming included.", minimum=0.001, group="limits")
+    stream: bool = flag(True, "Stream chat replies (server-sent events); --stream=False for an endpoint that cannot stream.", group="endpoint")
+    stall_timeout: float = flag(120.0, "With --stream: seconds without a byte (a chunk or a keep-alive comment) after which the call is abandoned and retried.", minimum=0.001, group="limits")
+    max_reply_mb: float = flag(32.0, "A reply larger than this many MB fails its prompt; no more than this is ever held.", minimum=0.001, group="limits")
     prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1, group="limits")
     require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True, group="sampling")
     samples_per_prompt: int = flag(1, "Independent rollouts of each prompt, each its own sample (raising it on --resume runs only the new samples).", minimum=1, group="sampling")
@@ -131,7 +134,7 @@ class RunOptions:
     unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).", group="tools")
     sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).", minimum=16, group="tools")
     sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1, group="tools")
-    docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of uid 65534.", group="tools")
+    docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of a uid of their own per prompt.", group="tools")
     apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).", group="tools")
     modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).", group="tools")
     modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1, group="tools")
@@ -147,6 +150,7 @@ class RunOptions:
             model=self.model, base_url=self.base_url, api_key=api_key, max_turns=self.max_turns,
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, max_retries=self.max_retries,
             retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
+            stream=self.stream, stall_timeout=float(self.stall_timeout), max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
             reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
             ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
 

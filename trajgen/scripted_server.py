@@ -10,9 +10,11 @@ Endpoints
 (also ``/models``), ``POST /_script`` (replace the script; resets ``times``
 counters), ``GET /_stats`` -> ``{"requests": n, "by_status": {"200": n, ...}}``.
 Anything else answers 404 with an OpenAI-style error body. A chat request with
-``"stream": true`` gets its reply as server-sent events: one chunk whose delta is the
-whole message, a usage chunk if ``stream_options.include_usage``, then ``[DONE]``. Only chat-completion
-requests are counted in ``/_stats`` and written to the log.
+``"stream": true`` gets its reply as server-sent events, in a chunked body: by default
+one chunk whose delta is the whole message, a usage chunk if ``stream_options.include_usage``,
+then ``[DONE]`` (the reply keys below stream it awkwardly). Only chat-completion requests are
+counted in ``/_stats`` (which also counts ``stream_events``, the events written so far) and
+written to the log.
 
 Script format (a dict, or a JSON file holding one)
 --------------------------------------------------
@@ -71,6 +73,30 @@ A reply is a dict with any of:
   given, else 200: an error object inside a 200, ``{"choices": []}``, garbage.
   ``times``/``then`` work as with ``status``.
 
+Streamed replies (requests with ``"stream": true``) also take:
+
+- ``pieces``: deltas of at most this many characters of content, of each reasoning field
+  and of each tool call's arguments; a tool call's id comes in one chunk and its name in
+  the next, and the calls' chunks are interleaved by index.
+- ``comments``: a ``: OPENROUTER PROCESSING`` comment before every chunk.
+- ``chunk_delay``: seconds between events (after the head, which is sent at once); an
+  unstreamed answer waits for as long as all of them would take.
+- ``write_bytes``: every event is written in pieces of this many bytes, each flushed
+  apart, so a client's reads end inside a UTF-8 character or inside the JSON.
+- ``stream_error``: ``{"after": N, "status": 503, "error": "..."}``: after N chunks an
+  ``{"error": ...}`` event, and the stream ends.
+- ``stall_after``: N: after N chunks nothing more is sent until the client leaves.
+- ``cut_after``: N: after N chunks the connection is closed in the middle of the body.
+
+Faults of the connection (any request; ``times``/``then`` work with them too):
+
+- ``drop``: the request is read and the connection closed without an answer.
+- ``raw``: this exact text (latin-1) is written as the whole response, then the
+  connection is closed: malformed lengths, folded headers, duplicate headers.
+- ``gzip``: the (unstreamed) body is sent gzip-compressed, with ``Content-Encoding: gzip``.
+- ``trailing``: these bytes are written right after the body (in the same write), on a
+  kept-alive connection; with ``trailing_delay`` (seconds), that long after it instead.
+
 Log (``log_path`` / ``--log``): one JSON line per chat request, flushed before the
 answer is sent: ``{"t", "prompt", "turn", "body", "status", "auth"}``.
 
@@ -91,6 +117,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import itertools
 import json
 import os
@@ -235,11 +262,34 @@ def error_payload(status: int, message: str) -> dict[str, Any]:
 
 
 @dataclass
+class Streamed:
+    """A streamed answer: its events, and how awkwardly to send them."""
+
+    events: list[bytes]  # each a whole `data: ...` event
+    chunk_delay: float = 0.0
+    write_bytes: int = 0  # 0: each event in one write
+    comments: bool = False
+    stall_after: int | None = None
+    cut_after: int | None = None
+
+
+@dataclass
+class Raw:
+    """Bytes written as they are after the request is read; `close`: then the connection is closed;
+    `later` is written `later_delay` seconds after."""
+
+    data: bytes
+    close: bool = True
+    later: bytes = b""
+    later_delay: float = 0.0
+
+
+@dataclass
 class Outcome:
     """What to answer to one request, decided before any waiting."""
 
     status: int
-    payload: dict[str, Any] | bytes  # bytes are sent as they are
+    payload: dict[str, Any] | bytes | Streamed | Raw  # bytes are sent as they are
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     gate: threading.Event | None = None  # held until the test opens it
@@ -265,6 +315,7 @@ class ScriptedBackend:
         self._completion_ids = itertools.count(1)
         self._total = 0
         self._by_status: dict[str, int] = {}
+        self.stream_events = 0  # events written by streamed answers (the HTTP layer counts them)
         self.log_path = os.fspath(log_path) if log_path else None
         self._log_file = open(self.log_path, "ab") if self.log_path else None
         self._memory: list[dict[str, Any]] | None = (
@@ -294,7 +345,7 @@ class ScriptedBackend:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"requests": self._total, "by_status": dict(self._by_status)}
+            return {"requests": self._total, "by_status": dict(self._by_status), "stream_events": self.stream_events}
 
     def requests(self) -> list[dict[str, Any]]:
         """Logged requests: parsed from the log file, else the in-memory copy."""
@@ -346,7 +397,7 @@ class ScriptedBackend:
         """Script lookup plus the ``times`` rule; caller holds the lock."""
         replies = self._replies_for(prompt, self._script["models"].get(str(model), self._script))
         reply = replies[min(turn, len(replies) - 1)]
-        if ("status" in reply or "body" in reply) and "times" in reply:
+        if "times" in reply:
             key = (prompt, turn)
             seen = self._times.get(key, 0)
             self._times[key] = seen + 1
@@ -367,6 +418,10 @@ class ScriptedBackend:
 
     def _build(self, reply: dict[str, Any], body: dict[str, Any]) -> Outcome:
         delay = float(reply.get("delay") or 0.0)
+        if reply.get("drop"):
+            return Outcome(0, Raw(b""), {}, delay)
+        if "raw" in reply:
+            return Outcome(0, Raw(str(reply["raw"]).encode("latin-1")), {}, delay)
         if "body" in reply:
             body = reply["body"]
             return Outcome(int(reply.get("status", 200)), body.encode() if isinstance(body, str) else dumps(body),
@@ -381,7 +436,20 @@ class ScriptedBackend:
         completion = self._completion(reply, body)
         if body.get("stream") is True:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return Outcome(200, stream_events(completion, include_usage), SSE_HEADERS, delay)
+            plan = Streamed(stream_chunks(completion, include_usage, int(reply.get("pieces") or 0),
+                                          reply.get("stream_error")),
+                            float(reply.get("chunk_delay") or 0.0), int(reply.get("write_bytes") or 0),
+                            bool(reply.get("comments")), reply.get("stall_after"), reply.get("cut_after"))
+            return Outcome(200, plan, SSE_HEADERS, delay)
+        if reply.get("chunk_delay"):  # the generation takes as long unstreamed: its answer waits for all of it
+            delay += float(reply["chunk_delay"]) * (len(stream_chunks(completion, False, int(reply.get("pieces") or 0))) - 1)
+        if reply.get("gzip"):
+            return Outcome(200, gzip.compress(dumps(completion)), {"Content-Encoding": "gzip"}, delay)
+        if "trailing" in reply:
+            answer, trailing = encode_response(200, dumps(completion), {}, True), str(reply["trailing"]).encode("latin-1")
+            if reply.get("trailing_delay"):
+                return Outcome(200, Raw(answer, False, trailing, float(reply["trailing_delay"])), {}, delay)
+            return Outcome(200, Raw(answer + trailing, close=False), {}, delay)
         return Outcome(200, completion, {}, delay)
 
     def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -436,21 +504,61 @@ class ScriptedBackend:
 
 
 def stream_events(completion: dict[str, Any], include_usage: bool) -> bytes:
-    """The completion as the server-sent events of ``stream: true`` (clients that always stream):
-    one chunk whose delta is the whole message, the usage chunk if asked for, then ``[DONE]``."""
+    """The completion as the server-sent events of ``stream: true``, in one piece."""
+    return b"".join(stream_chunks(completion, include_usage))
+
+
+def stream_chunks(completion: dict[str, Any], include_usage: bool, pieces: int = 0,
+                  error: dict[str, Any] | None = None) -> list[bytes]:
+    """The completion as ``chat.completion.chunk`` events, then the usage chunk if asked for and
+    ``[DONE]``. With ``pieces``, text and arguments come in deltas of that many characters, each
+    tool call's id and name in chunks of their own, the calls interleaved by index. With
+    ``error``, an error event replaces everything after its ``after`` chunks."""
     choice = completion["choices"][0]
-    delta = choice["message"]
-    if isinstance(delta, dict) and isinstance(delta.get("tool_calls"), list):
-        delta = dict(delta)
-        delta["tool_calls"] = [{"index": i, **call} if isinstance(call, dict) else call
-                               for i, call in enumerate(delta["tool_calls"])]
+    message = choice["message"]
     head = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
-            "model": completion["model"]}
-    chunks = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"],
-                                    "logprobs": None}]}]
+            "model": completion["model"], **({"provider": completion["provider"]} if "provider" in completion else {})}
+    deltas = _deltas(message, pieces) if pieces and isinstance(message, dict) else [_whole_delta(message)]
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = choice["finish_reason"]
     if include_usage:
         chunks.append({**head, "choices": [], "usage": completion["usage"]})
-    return b"".join(b"data: " + dumps(chunk) + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+    events = [b"data: " + dumps(chunk) + b"\n\n" for chunk in chunks] + [b"data: [DONE]\n\n"]
+    if error:
+        after = int(error.get("after", 0))
+        status = int(error.get("status", 500))
+        failure = error_payload(status, str(error.get("error") or f"scripted error {status}"))
+        events = events[:after] + [b"data: " + dumps(failure) + b"\n\n"]
+    return events
+
+
+def _whole_delta(message: Any) -> Any:
+    if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+        message = dict(message)
+        message["tool_calls"] = [{"index": i, **call} if isinstance(call, dict) else call
+                                 for i, call in enumerate(message["tool_calls"])]
+    return message
+
+
+def _deltas(message: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The message cut into deltas of at most `n` characters (see stream_chunks)."""
+    cut = lambda text: [text[i:i + n] for i in range(0, len(text), n)] or [""]  # noqa: E731
+    deltas: list[dict[str, Any]] = [{"role": "assistant"}]
+    for key in ("reasoning_content", "reasoning", "content"):
+        if isinstance(message.get(key), str) and message[key]:
+            deltas += [{key: piece} for piece in cut(message[key])]
+    if isinstance(message.get("reasoning_details"), list):
+        deltas += [{"reasoning_details": [item]} for item in message["reasoning_details"]]
+    per_call = []
+    for i, call in enumerate(message.get("tool_calls") or []):
+        fn = call.get("function") or {}
+        parts = [{"index": i, "id": call.get("id"), "type": "function", "function": {"arguments": ""}},
+                 {"index": i, "function": {"name": fn.get("name")}}]
+        parts += [{"index": i, "function": {"arguments": piece}} for piece in cut(fn.get("arguments") or "")]
+        per_call.append(parts)
+    for round_ in itertools.zip_longest(*per_call):
+        deltas += [{"tool_calls": [part]} for part in round_ if part is not None]
+    return deltas
 
 
 def make_usage(usage: Any) -> dict[str, Any]:
@@ -645,11 +753,60 @@ class HttpServer:
             if request.headers.get("expect", "").lower() == "100-continue":
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             status, payload, headers = await self._route(request)
+            if isinstance(payload, Raw):
+                writer.write(payload.data)
+                await writer.drain()
+                if payload.later:
+                    await asyncio.sleep(payload.later_delay)
+                    writer.write(payload.later)
+                    await writer.drain()
+                if payload.close:
+                    return
+                continue
+            if isinstance(payload, Streamed):
+                if not await self._stream(reader, writer, payload, headers, request.keep_alive):
+                    return
+                continue
             body = payload if isinstance(payload, bytes) else dumps(payload)
             writer.write(encode_response(status, body, headers, request.keep_alive))
             await writer.drain()
             if not request.keep_alive:
                 return
+
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plan: Streamed, headers: dict[str, str],
+                      keep_alive: bool) -> bool:
+        """Send a streamed answer as a chunked body; False when the connection must end here."""
+        head = encode_response(200, b"", headers, keep_alive).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+        if not (plan.chunk_delay or plan.write_bytes or plan.comments or plan.stall_after is not None
+                or plan.cut_after is not None):  # nothing to pace: one write, as an unstreamed answer is
+            writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events) + b"0\r\n\r\n")
+            await writer.drain()
+            self.backend.stream_events += len(plan.events)
+            return keep_alive
+        writer.write(head)
+        await writer.drain()
+        for n, event in enumerate(plan.events):
+            if n == plan.stall_after:
+                await _until_closed(reader)
+                return False
+            if n == plan.cut_after:
+                writer.transport.abort()
+                return False
+            if n and plan.chunk_delay:
+                await asyncio.sleep(plan.chunk_delay)
+            if plan.comments:
+                event = b": OPENROUTER PROCESSING\n\n" + event
+            step = plan.write_bytes or len(event)
+            for i in range(0, len(event), step):
+                piece = event[i:i + step]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+                if plan.write_bytes:
+                    await asyncio.sleep(0.002)  # apart, so that the client reads them apart
+            self.backend.stream_events += 1
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return keep_alive
 
     async def _route(self, req: Request) -> tuple[int, Any, dict[str, str]]:
         path = req.path.rstrip("/") or "/"
@@ -674,6 +831,12 @@ class HttpServer:
         except ValueError as exc:
             return 400, error_payload(400, f"bad script: {exc}"), {}
         return 200, {"ok": True}, {}
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Hold a connection open, sending nothing, until the client closes it."""
+    while await reader.read(1 << 16):
+        pass
 
 
 def models_payload() -> dict[str, Any]:

@@ -22,7 +22,10 @@ class ModelSettings:
     max_tokens: int | None = None
     max_retries: int = 10
     retry_budget: float = 300.0  # seconds one request may spend retrying
-    request_timeout: float = 600.0
+    request_timeout: float = 1800.0  # the whole request, a long generation that keeps streaming included
+    stream: bool = True  # chat calls as server-sent events
+    stall_timeout: float = 120.0  # seconds without a byte after which a streamed call is asked again
+    max_reply_bytes: int = 32 << 20
     prompt_timeout: float | None = None
     extra_body: dict = field(default_factory=dict)  # provider routing and reasoning controls
     reasoning_effort: str | None = None  # the standard parameter, for endpoints other than OpenRouter

@@ -63,8 +63,6 @@ class _Worker:
     def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
         self.endpoint = llm.Endpoint(config.model, config.concurrency)
-        self.model = OpenAIModel(self.endpoint, config.model, on_throttle=lambda: self.send(Throttled()),
-                                 on_retry=self.retrying)
         self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
@@ -103,7 +101,9 @@ class _Worker:
 
     async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
         tools, schemas = self.tools_for(task.toolsets_offered)
-        paid = Metered(self.model)  # what this attempt paid, so a failed prompt still counts it
+        endpoint = OpenAIModel(self.endpoint, self.config.model, on_throttle=lambda: self.send(Throttled()),
+                               on_retry=self.retrying)
+        paid = Metered(endpoint)  # what this attempt paid, so a failed prompt still counts it
         model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
@@ -112,13 +112,14 @@ class _Worker:
                                                             schemas, prompt.ctx)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
-                return decide(task, error=e, usage=paid.usage)
+                return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
             timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
-            return decide(task, error=timeout, usage=paid.usage)
+            return decide(task, error=timeout, usage={**paid.usage, "stalls": endpoint.stalls})
         except Exception as e:  # any other error fails this prompt only; resume retries it
-            return decide(task, error=e, usage=paid.usage)
+            return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
         row = agent.render_row(task, conversation, self.config.model)
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
+        row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
         row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
         return decide(task, row=row, require_reasoning=self.config.require_reasoning, files=prompt.ctx.files)
 
