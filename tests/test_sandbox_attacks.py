@@ -162,6 +162,16 @@ time.sleep(2)
 open("late.txt", "w").write("after the end")
 sys.exit(3)
 """
+# The same attack in an image with only bash and busybox, given the loop's pid (the command's parent)
+SHELL_FORGER = """ls /proc/$loop/fd >/dev/null 2>&1 && echo fds-open
+maps=$(cat /proc/$loop/maps 2>/dev/null) || { echo refused; exit 3; }
+while read -r span perms _; do
+    case $perms in rw*) dd if=/proc/$loop/mem bs=4096 skip=$((16#${span%-*} / 4096)) \\
+                           count=$(((16#${span#*-} - 16#${span%-*}) / 4096)) 2>/dev/null ;; esac
+done <<< "$maps" | grep -aoE '[0-9a-f]{32}' | sort -u | sed 's/$/ 0/'
+sleep 2
+exit 3
+"""
 PLANT_USERCUSTOMIZE = ('d=$(python3 -m site --user-site) && mkdir -p "$d" && '
                        "echo 'import os; os._exit(0)' > \"$d/usercustomize.py\" && echo planted")
 FAILING_CHECK = "python3 -c 'import sys; sys.exit(1)'"
@@ -412,7 +422,7 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
 
 
 def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_per_prompt(
-        cli, scripted_server, docker_engine, busybox_image):
+        cli, scripted_server, docker_engine, busybox_image, bash_image):
     server = scripted_server({"prompts": {
         "leave a process": [call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; "
                                                      "echo started"),
@@ -423,9 +433,12 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_
                                                      "sleep 1; echo ptys=$(($(ls /dev/pts | wc -l) - 1))"),
                             think()],
         "neighbour": [call("terminal", command="echo fine > f && cat f && id -u"), think()],
+        "forged end": [call("write_file", path="forge.sh", content=SHELL_FORGER), call("terminal", command="loop=$PPID bash forge.sh"),
+                       think()],
     }})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
-                                            {"prompt": "neighbour", "image": busybox_image}])
+                                            {"prompt": "neighbour", "image": busybox_image},
+                                            {"prompt": "forged end", "image": bash_image}])
     done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
     assert done.returncode == 0, done.stderr
     rows = _rows(cli, "run")
@@ -443,6 +456,8 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_
     assert f"ptys={shares.ptys(CONCURRENCY)}" in lines  # of 250 asked for, with a devpts instance of its own
     fine, neighbour_uid = tool_outputs(rows["neighbour"])[0]["output"].splitlines()
     assert fine == "fine" and UID_BASE <= int(neighbour_uid) < UID_BASE + UID_COUNT and int(neighbour_uid) != uid
+    _, forged = tool_outputs(rows["forged end"])  # the loop's memory and fds are out of reach: its answer is the real one
+    assert forged["exit_code"] == 3 and forged["output"] == "refused\n", forged
 
 
 # --- the write race: a link swapped in while write_file works ---

@@ -13,9 +13,10 @@ next invocation can reap what a runner killed with -9 left. PID 1 is a tiny root
 orphans and survives `kill -9 -1`, which is how every terminal call ends, on time or not, together
 with everything it started, setsid or not: nothing a call starts outlives it. In an image with
 bash, a prompt's commands go through one exec running the command loop (supervise.sh, as the local
-backend runs it), which empties /tmp after each; a timeout or a lost loop kills every process of
-the commands' user (PID 1 and the files stay) and the next command starts a new loop. Other images
-get one exec per call. Every call goes through the Docker SDK, no `docker` process of its own.
+backend runs it, but from a copy of bash its user cannot read: no command can read its memory),
+which empties /tmp after each; a timeout or a lost loop kills every process of the commands' user
+(PID 1 and the files stay) and the next command starts a new loop. Other images get one exec per
+call. Every call goes through the Docker SDK, no `docker` process of its own.
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the cal
 WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
 READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 HAS_BASH = ("sh", "-c", "command -v bash >/dev/null")  # what the command loop needs of an image
+# The loop's bash: a root-owned copy its user may execute but not read. The kernel makes a process that
+# execs a file it cannot read non-dumpable, so no command (each the exec of the image's own, readable
+# bash) may read the loop's memory or fds, where the marker that ends each answer lies.
+LOOP_BASH = "/dev/.trajgen-bash"
+PREPARE = ('chown "$1" "$2" && if bash=$(command -v bash); then '
+           f'cp "$bash" {LOOP_BASH} && chmod 111 {LOOP_BASH}; fi')  # run as root before any command
 SHELL_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")  # a root shell's needs
 
 _loop_images: dict[str, bool] = {}  # image -> whether it can run the command loop; asked once per process
@@ -82,7 +89,8 @@ class DockerSandbox:
         """The command loop as one exec over the container's work dir, talking on that exec's stdin and stdout."""
         cid = await self._container()
         async with _control("cannot start the command loop"):
-            loop = await start_exec(cid, self._user, LOOP_ARGV, stdin=True)
+            argv = [LOOP_BASH, *LOOP_ARGV[1:]] if self._uid else LOOP_ARGV  # root reads any file: no copy for it
+            loop = await start_exec(cid, self._user, argv, stdin=True)
 
         async def kill() -> None:
             try:
@@ -129,10 +137,11 @@ class DockerSandbox:
         async with _control(f"cannot start a container from image {self.image}"):
             cid = (await call("create_container_from_config", self._spec()))["Id"]
             await call("start", cid)
-        if not self.config.docker_root:  # the work dir belongs to the commands' user; PID 1 stays root, out of their reach
+        if not self.config.docker_root:  # the work dir is the commands' user's; PID 1 and the loop's bash stay root's
             output = Capture()
             async with _control(f"cannot prepare {self.cwd} in image {self.image}"):
-                code = await run_exec(cid, "0", ["chown", self._user, self.cwd], lambda _, data: output.add(data))
+                code = await run_exec(cid, "0", ["sh", "-c", PREPARE, "sh", self._user, self.cwd],
+                                      lambda _, data: output.add(data))
             if code != 0:
                 raise SandboxError(f"cannot prepare {self.cwd} in image {self.image}: {last_line(output.text())}")
         return cid
