@@ -45,3 +45,21 @@ def test_spend_limit_stops_admitting_and_leaves_a_resumable_run(cli, scripted_se
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(r["prompt"] for r in server.requests()) == sorted(f"p{i}" for i in range(10))
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 10
+
+
+def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them(cli, scripted_server):
+    """Reaching --max_cost cancels the prompts in flight at once: their streams close, so a provider
+    that bills generated tokens stops generating; the resume runs them again."""
+    long = {"content": "y" * 1000, "reasoning": "r", "pieces": 1, "chunk_delay": 0.02}  # 1,000 chunks, 20 s
+    server = scripted_server({"default": [{"content": "x", "reasoning": "r", "usage": {"cost": 1.0}}],
+                              "prompts": {"long": [long]}})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "long"}, {"prompt": "cheap"}])
+    done = cli.run(*cli.args(server, num_workers=1, concurrency=2, max_cost=0.5))
+    assert done.returncode == 3, done.stderr
+    assert "--max_cost=0.5 reached" in done.stderr
+    assert server.stats()["stream_events"] < 1000  # the long generation was cut, not waited for
+    assert [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")] == ["cheap"]
+    resumed = cli.run(*cli.args(server, num_workers=1, concurrency=2, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")) == [
+        "cheap", "long"]

@@ -120,6 +120,11 @@ class _Spend:
         self.cost += cost
         self.tokens += tokens
 
+    def add_reply(self, usage: dict) -> None:
+        """A reply paid for by a prompt a stop cancelled: no outcome of it will count it."""
+        self.cost += usage.get("cost") or 0.0
+        self.tokens += usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+
     def exceeded(self) -> str | None:
         """The limit reached, if one is."""
         s = self.limits
@@ -147,6 +152,7 @@ class Scheduler:
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
+        self.unlanded: dict[str, list[dict]] = {}  # usage of the replies paid by prompts in flight
         self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
         self.answered = False  # the endpoint has answered some worker in this run
         self.noticed: set[str] = set()  # the topics of the notices said
@@ -206,12 +212,14 @@ class Scheduler:
                 self.retrying.pop(outcome.key, None)  # not a failure of the prompt: it is still to run
             case Finished(outcome):
                 self.retrying.pop(outcome.key, None)
+                self.unlanded.pop(outcome.key, None)  # its outcome's usage counts every reply it paid
                 self.answered = self.answered or outcome.row is not None
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
             case Replied():
                 self.retrying.pop(event.key, None)
+                self.unlanded.setdefault(event.key, []).append(event.reply.usage)
                 self.answered = True
                 self.writer.journal(journal.entry(event))
             case Retrying(key):
@@ -229,13 +237,14 @@ class Scheduler:
                 console.notice(text)
 
     def should_stop(self, signals: _Signals) -> bool:
-        """Stop admitting on a limit; leave the loop at once on a signal, a fatal error or when all is back."""
+        """Leave the loop at once on a signal, a spend limit (the prompts in flight are cancelled, so their
+        streams close and the provider stops generating) or a fatal error; otherwise when all is back."""
         self.end.budget = self.end.budget or self.spend.exceeded()
         if self.end.fatal is None and self.limits.health_check is not None:
             self.end.fatal = self.limits.health_check()
-        if signals.first is not None or self.end.fatal is not None:
+        if signals.first is not None or self.end.fatal is not None or self.end.budget is not None:
             return True
-        return (self.exhausted or self.end.budget is not None) and self.pool.inflight == 0
+        return self.exhausted and self.pool.inflight == 0
 
     def execute(self, tasks: Iterator[Task], on_exit: Callable[[], None]) -> RunEnd:
         """Run the plan; `on_exit` removes sandboxes when a second Ctrl-C leaves at once."""
@@ -248,8 +257,7 @@ class Scheduler:
         try:
             with progress:
                 while not self.should_stop(signals):
-                    if self.end.budget is None:
-                        self.admit(tasks)
+                    self.admit(tasks)
                     try:
                         events = self.pool.poll(POLL_SECONDS)
                     except WorkerCrashed as e:  # no worker left to run anything: a stop like a fatal endpoint error
@@ -268,6 +276,9 @@ class Scheduler:
                 if self.end.fatal and not self.end.unreachable:  # the prompts cut short fail: the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
+                for usages in self.unlanded.values():  # cancelled: journaled, resumed, and paid now
+                    for usage in usages:
+                        self.spend.add_reply(usage)
         finally:
             self.pool.close()
             self.writer.close(self.checkpoint())
