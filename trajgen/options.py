@@ -143,7 +143,8 @@ class RunOptions:
             base_url=self.base_url, api_key=api_key, model=self.model,
             vision_model=self.vision_model or "", vision_base_url=self.vision_base_url or "",
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
-            browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls)
+            browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls,
+            tool_timeout=self.tool_timeout)
 
     @property
     def run_id(self) -> str:

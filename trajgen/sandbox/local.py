@@ -63,15 +63,16 @@ def _under(path: str, dirs: tuple[str, ...]) -> bool:
 
 
 def _system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python and its venv."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
-    prefix = sys.base_prefix
-    if not _under(prefix, SYSTEM_DIRS):
+    for prefix in dict.fromkeys((sys.base_prefix, sys.prefix)):  # a venv's packages too (MCP servers beside the runner)
+        if _under(prefix, SYSTEM_DIRS):
+            continue
         parents = []  # e.g. /root is 0700 on the host: the sandbox's uid must be able to pass through
         parent = posixpath.dirname(prefix)
         while parent != "/":
@@ -188,6 +189,19 @@ class LocalSandbox:
             result.error = (f"the sandbox hit its memory limit ({self.config.memory_mb} MB, its /tmp and work dir "
                             "included); the kernel killed a process of the command")
         return result
+
+    def process_argv(self, command: list[str], env: dict[str, str]) -> tuple[list[str], list[int]]:
+        """The argv that runs `command` as a long-lived process of this sandbox (same uid, seccomp
+        filter, cgroup, network and limits as its commands, in its work dir, with exactly `env`),
+        and the fds it must inherit; unisolated (--unsafe_local), a plain limited process."""
+        setenv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        if not self.isolated:
+            return [*prlimit_argv(self.config), *setenv, *command], []
+        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
+                               [*prlimit_argv(self.config), *setenv, *command])
+        if self._group:
+            argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
+        return argv, fds
 
     def check_path(self, path: str) -> None:
         """SandboxError if `path` (relative to cwd, or absolute under it) leads out of the work dir."""

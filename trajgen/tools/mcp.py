@@ -1,0 +1,280 @@
+"""MCP servers as toolsets: the config, the probe that reads their tools, one session per prompt.
+
+A `command` server runs inside the prompt's sandbox (sandbox/stdio.py), started at the prompt's
+first call of one of its tools and ended with the prompt; a `url` server is shared and reached
+over streamable HTTP (SSE where the probe finds only that). Every fault of a server becomes its
+call's failed result, and the next call starts the server again. The SDK speaks the protocol.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import tempfile
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import orjson
+from mcp import ClientSession
+from mcp.client.sse import sse_client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from trajgen.distributions import TOOLSETS
+from trajgen.errors import UsageError
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
+from trajgen.sandbox import stdio
+from trajgen.sandbox.process import OUTPUT_CAP, last_line
+from trajgen.tools import ToolContext, ToolSpec
+from trajgen.tools.netguard import check_url
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+KEYS = {"command", "args", "env", "url", "type"}
+TYPES = {"command": ("stdio",), "url": ("http", "streamable-http", "streamableHttp", "sse")}
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str  # its key in the config, and its toolset's name
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    url: str = ""
+    sse: bool = False  # the url speaks the older SSE transport (the probe found no streamable HTTP)
+
+
+class ServerFailed(Exception):
+    """A server that cannot start or list its tools at the probe: the run cannot offer it."""
+
+
+class _Fault(Exception):
+    """The server failed a call (exited, hung, broke the protocol): the call fails, the server restarts."""
+
+
+def load_config(path: str) -> tuple[Server, ...]:
+    """The servers of a Claude Desktop style config; UsageError (one line) for anything wrong in it."""
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
+        raise UsageError(f"--mcp_config {path}: {getattr(e, 'strerror', None) or e}")
+    entries = data.get("mcpServers") if isinstance(data, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise UsageError(f'--mcp_config {path}: needs a non-empty "mcpServers" object')
+    return tuple(_server(path, name, entry) for name, entry in entries.items())
+
+
+def _server(path: str, name: str, entry: object) -> Server:
+    where = f"--mcp_config {path}: server {name!r}"
+    if not NAME.fullmatch(name):
+        raise UsageError(f"{where}: a name is 1-64 letters, digits, _ or -")
+    if name in TOOLSETS:
+        raise UsageError(f"{where} has the name of the built-in toolset {name}")
+    if not isinstance(entry, dict) or ("command" in entry) == ("url" in entry):
+        raise UsageError(f'{where}: needs exactly one of "command" or "url"')
+    if unknown := set(entry) - KEYS:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    kind = "command" if "command" in entry else "url"
+    if "type" in entry and entry["type"] not in TYPES[kind]:
+        raise UsageError(f"{where}: type {entry['type']!r} does not go with {kind!r}")
+    if kind == "url":
+        url = entry["url"]
+        if not isinstance(url, str) or not re.match(r"https?://[^/]", url) or set(entry) - {"url", "type"}:
+            raise UsageError(f'{where}: "url" must be an http(s) URL, alone')
+        return Server(name, url=url, sse=entry.get("type") == "sse")
+    command, args, env = entry["command"], entry.get("args", []), entry.get("env", {})
+    if not isinstance(command, str) or not command:
+        raise UsageError(f'{where}: "command" must be a non-empty string')
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise UsageError(f'{where}: "args" must be a list of strings')
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise UsageError(f'{where}: "env" must map names to strings')
+    return Server(name, command, tuple(args), tuple(env.items()))
+
+
+class _Session:
+    """One server's session, held by a task of its own: the SDK's contexts must be entered and
+    left in one task, while calls come from the conversation's."""
+
+    def __init__(self, streams: Callable[[], AsyncIterator], errlog) -> None:
+        self.errlog = errlog
+        self._ready: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._hold(streams))
+
+    async def _hold(self, streams) -> None:
+        try:
+            async with streams() as (read, write), ClientSession(read, write) as session:
+                await session.initialize()
+                self._ready.set_result(session)
+                await asyncio.Future()  # until stopped
+        except Exception as e:
+            if not self._ready.done():
+                self._ready.set_exception(e)
+            raise
+
+    def ended(self) -> bool:
+        return self._task.done()
+
+    async def run(self, request, timeout: float):
+        """`request(session)`'s result, within `timeout` seconds that include starting the server; _Fault else."""
+        call = asyncio.ensure_future(self._call(request))
+        done, _ = await asyncio.wait({call, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if call in done:
+            return call.result()
+        call.cancel()
+        if not done:
+            raise _Fault(f"no answer within {timeout:g} s")
+        error = None if self._task.cancelled() else self._task.exception()
+        raise _Fault(f"the server ended ({self.stderr_tail() or (_describe(error) if error else 'no reason given')})")
+
+    async def _call(self, request):
+        try:
+            return await request(await asyncio.shield(self._ready))
+        except Exception as e:  # the protocol's errors (McpError), a closed connection, a refused start...
+            raise _Fault(self.stderr_tail() or _describe(e)) from e
+
+    def stderr_tail(self) -> str | None:
+        """The server's last line of stderr: why it could not start, usually."""
+        if self.errlog is None or self.errlog.closed:
+            return None
+        self.errlog.seek(0)
+        text = self.errlog.read()[-4000:]
+        return last_line(text) if text.strip() else None
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if self.errlog is not None:
+            self.errlog.close()
+
+
+def _describe(error: BaseException) -> str:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+@asynccontextmanager
+async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
+    """The streams of `server` run inside `sandbox`, in its work dir."""
+    launch = stdio.launch(sandbox, [server.command, *server.args], dict(server.env))
+    try:
+        params = StdioServerParameters(command=launch.command, args=launch.args, cwd=launch.cwd)
+        async with stdio_client(params, errlog=errlog) as streams:
+            yield streams
+    finally:
+        launch.close()
+
+
+def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Session:
+    if server.url:
+        @asynccontextmanager
+        async def streams() -> AsyncIterator:
+            if refused := await check_url(server.url, allow_private):
+                raise SandboxError(refused)
+            async with (sse_client(server.url) if server.sse else streamable_http_client(server.url)) as pair:
+                yield pair[0], pair[1]
+        return _Session(streams, None)
+    errlog = tempfile.TemporaryFile("w+")
+
+    @asynccontextmanager
+    async def in_sandbox() -> AsyncIterator:
+        async with _stdio(server, await get_sandbox(), errlog) as pair:
+            yield pair
+    return _Session(in_sandbox, errlog)
+
+
+async def call_tool(server: Server, tool: str, ctx: ToolContext, /, **arguments) -> dict:
+    """One call of `server`'s `tool` in this prompt's session of it, started at the first call."""
+    sessions: dict[str, _Session] = ctx.state.setdefault("mcp", {})
+    if not sessions:
+        ctx.cleanups.append(lambda: _stop_all(sessions))
+    session = sessions.get(server.name)
+    if session is None or session.ended():
+        if session is not None:
+            await session.stop()
+        session = sessions[server.name] = _open(server, ctx.sandbox, ctx.settings.allow_private_urls)
+    try:
+        result = await session.run(lambda s: s.call_tool(tool, arguments), ctx.settings.tool_timeout)
+    except _Fault as e:
+        await session.stop()
+        sessions.pop(server.name, None)
+        return {"success": False, "error": f"MCP server {server.name}: {e}; it starts again at the next call"}
+    return render(result)
+
+
+async def _stop_all(sessions: dict[str, _Session]) -> None:
+    await asyncio.gather(*(s.stop() for s in sessions.values()))
+
+
+def render(result) -> dict:
+    """A tool result as a row stores it: the text for ShareGPT; blocks that are not text and any
+    structured content as the SDK gives them; past the output cap, a failure."""
+    text = "\n".join(block.text for block in result.content if block.type == "text")
+    others = [block.model_dump(mode="json", by_alias=True, exclude_none=True)
+              for block in result.content if block.type != "text"]
+    rendered = [*([text] if text else []), *(_block_text(b) for b in others)]
+    out = {"output": "\n".join(rendered), "success": not result.is_error,
+           "error": (text or "the tool reported an error") if result.is_error else None}
+    if others:
+        out["content"] = others
+    if result.structured_content is not None:
+        out["structured_content"] = result.structured_content
+    size = len(orjson.dumps(out))
+    if size > OUTPUT_CAP:
+        return {"success": False, "error": f"the result is {size} bytes, more than the cap of {OUTPUT_CAP}"}
+    return out
+
+
+def _block_text(block: dict) -> str:
+    """A line naming a block that is not text (its bytes stay in `content`)."""
+    if block["type"] == "resource":
+        resource = block["resource"]
+        return resource.get("text") or f"[resource {resource.get('uri')} ({resource.get('mimeType', 'binary')})]"
+    if block["type"] == "resource_link":
+        return f"[resource link {block.get('uri')}]"
+    return f"[{block['type']} ({block.get('mimeType', 'unknown type')})]"
+
+
+async def probe(servers: tuple[Server, ...], sandbox: SandboxConfig, timeout: float,
+                allow_private: bool) -> list[ToolSpec]:
+    """Each server's tools, read once from an instance of its own; ServerFailed naming the first
+    server that cannot start or list them."""
+    return [tool for server in servers for tool in await _probe_one(server, sandbox, timeout, allow_private)]
+
+
+async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allow_private: bool) -> list[ToolSpec]:
+    from trajgen.sandbox.config import open_sandbox  # the backends' modules only when a config names a server
+    opened: list[Sandbox] = []
+
+    async def get_sandbox() -> Sandbox:
+        if not opened:
+            opened.append(await asyncio.to_thread(open_sandbox, config, f"mcp-probe-{server.name}"))
+        return opened[0]
+
+    async def listing(s: ClientSession) -> list:
+        tools, cursor = [], None
+        while True:
+            page = await s.list_tools(params={"cursor": cursor} if cursor else None)
+            tools += page.tools
+            if not (cursor := page.next_cursor):
+                return tools
+
+    attempts = [server, replace(server, sse=True)] if server.url and not server.sse else [server]
+    try:
+        for attempt in attempts:
+            session = _open(attempt, get_sandbox, allow_private)
+            try:
+                tools = await session.run(listing, timeout)
+                break
+            except _Fault as e:
+                if attempt is attempts[-1]:
+                    raise ServerFailed(f"MCP server {server.name} cannot start or list its tools: {e}") from None
+            finally:
+                await session.stop()
+    finally:
+        for s in opened:
+            await s.close()
+    return [ToolSpec(t.name, server.name, t.description or "", t.input_schema,
+                     functools.partial(call_tool, attempt, t.name)) for t in tools]
