@@ -49,14 +49,20 @@ def notice(message: str) -> None:
     err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
 
 
-def distributions_table() -> Table:
+def distributions_table(mcp_toolsets: tuple[str, ...] = ()) -> Table:
+    """The built-in distributions; `mcp_toolsets` (a config's servers) as columns a file or --toolsets can use."""
     table = Table(title="Toolset distributions (percent chance per toolset)")
     table.add_column("name", style="bold", no_wrap=True)
     table.add_column("description")
     for toolset in TOOLSETS:
         table.add_column(toolset, justify="right")
+    for toolset in mcp_toolsets:
+        table.add_column(f"{toolset} (MCP)", justify="right")
     for d in DISTRIBUTIONS.values():
-        table.add_row(d.name, d.description, *(str(d.chances.get(t, "")) for t in TOOLSETS))
+        table.add_row(d.name, d.description, *(str(d.chances.get(t, "")) for t in (*TOOLSETS, *mcp_toolsets)))
+    if mcp_toolsets:
+        table.caption = ("MCP toolsets are offered through --toolsets or a --distribution JSON file, "
+                         'e.g. {"terminal": 100, "' + mcp_toolsets[0] + '": 80}')
     return table
 
 

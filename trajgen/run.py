@@ -15,13 +15,13 @@ import orjson
 
 from trajgen import console, dataset, dry_run, export, fork_server, journal, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
-from trajgen.distributions import get_distribution
+from trajgen.distributions import TOOLSETS, Distribution, resolve as resolve_distribution
 from trajgen.errors import UsageError
-from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
+from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
-from trajgen.tools import ToolSettings
+from trajgen.tools import ToolSettings, ToolSpec, mcp
 from trajgen.work import ModelSettings, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
 
@@ -40,12 +40,15 @@ class Prepared:
     unavailable_tools: dict[str, str]
     unavailable_sets: dict[str, str]
     plan: Plan
+    distribution: Distribution
+    mcp_servers: tuple[mcp.Server, ...] = ()
+    mcp_tools: tuple[ToolSpec, ...] = ()  # read from the servers by the probe, just before the run
 
     def tasks(self) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset (once to count, once to run)."""
         opts = self.opts
         return plan_module.tasks(str(opts.dataset_file), self.check, self.scan.done,
-                                 get_distribution(opts.distribution), opts.seed, opts.batch_size, opts.max_samples,
+                                 self.distribution, opts.seed, opts.batch_size, opts.max_samples,
                                  self.scan.next_batch, self.unavailable_sets, self.scan.journal,
                                  opts.samples_per_prompt, opts.toolsets_per_sample)
 
@@ -53,7 +56,8 @@ class Prepared:
 def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
-        console.out.print(console.distributions_table())
+        servers = mcp.load_config(opts.mcp_config) if opts.mcp_config else ()
+        console.out.print(console.distributions_table(tuple(s.name for s in servers)))
         return 0
     if opts.export:
         return run_export(opts)
@@ -82,6 +86,12 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
         try:
             if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
                 reap(sandbox)
+            if prepared.mcp_servers:
+                try:
+                    prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))
+                except mcp.ServerFailed as e:
+                    console.error(f"{e}; nothing was sent")
+                    return 1
             missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
             if opts.dry_run:
                 return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
@@ -135,8 +145,14 @@ def prepare(opts: RunOptions) -> Prepared:
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
+    servers = mcp.load_config(opts.mcp_config) if opts.mcp_config else ()
+    try:
+        distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
+                                            (*TOOLSETS, *(s.name for s in servers)))
+    except ValueError as e:
+        raise UsageError(f"--{'toolsets' if opts.toolsets else 'distribution'}: {e}")
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan())
+                        unavailable_tools, unavailable_sets, Plan(), distribution, servers)
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
                                                         opts.docker_image if runs_images(opts.backend) else None))
     _say_what_is_missing(prepared)
@@ -158,7 +174,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir, opts.verify_timeout)
+                          opts.verbose, opts.cache_dir, opts.verify_timeout, prepared.mcp_tools)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -280,6 +296,21 @@ def _say_what_is_missing(prepared: Prepared) -> None:
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
     if opts.backend == "apptainer" and not _on_cluster(opts) and plan.images and (problem := apptainer_problem()):
         raise UsageError(f"the apptainer backend cannot run here: {problem}")
+
+
+def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:
+    """The MCP servers' tools, read once; a name given twice stops the run naming both holders."""
+    opts = prepared.opts
+    tools = asyncio.run(mcp.probe(prepared.mcp_servers, sandbox, opts.tool_timeout, opts.allow_private_urls))
+    holders = {name: f"the built-in toolset {spec.toolset}" for name, spec in registry.REGISTRY.items()}
+    for tool in tools:
+        if tool.name in holders:
+            raise UsageError(f"--mcp_config: tool {tool.name} of MCP server {tool.toolset} clashes with "
+                             f"{holders[tool.name]}'s")
+        holders[tool.name] = f"MCP server {tool.toolset}"
+    console.notice(", ".join(f"MCP server {s.name}: {sum(t.toolset == s.name for t in tools)} tools"
+                             for s in prepared.mcp_servers))
+    return tuple(tools)
 
 
 def _on_cluster(opts: RunOptions) -> bool:

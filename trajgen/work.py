@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trajgen.sandbox.config import SandboxConfig
-from trajgen.tools import ToolSettings
+from trajgen.tools import ToolSettings, ToolSpec
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class WorkerConfig:
     verbose: bool = False
     cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
+    mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class _Worker:
         """Schemas are built once per toolset combination, not per prompt."""
         combo = tuple(toolsets)
         if combo not in self.schemas:
-            tools = registry.offered_tools(toolsets, self.config.unavailable_tools)
+            tools = registry.offered_tools(toolsets, self.config.unavailable_tools, self.config.mcp_tools)
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
+import anyio
 import orjson
 from mcp import ClientSession
 from mcp.client.sse import sse_client
@@ -103,11 +104,25 @@ class _Session:
         self._task = asyncio.create_task(self._hold(streams))
 
     async def _hold(self, streams) -> None:
+        """Until stopped, or until the server's side of the transport closes (it exited): then the
+        next call finds the session ended and starts the server again."""
         try:
-            async with streams() as (read, write), ClientSession(read, write) as session:
-                await session.initialize()
-                self._ready.set_result(session)
-                await asyncio.Future()  # until stopped
+            async with streams() as (read, write), anyio.create_task_group() as relays:
+                relay_in, relay_out = anyio.create_memory_object_stream(0)
+                closed = anyio.Event()
+
+                async def relay() -> None:
+                    async with relay_in:
+                        async for message in read:
+                            await relay_in.send(message)
+                    closed.set()
+
+                relays.start_soon(relay)
+                async with ClientSession(relay_out, write) as session:
+                    await session.initialize()
+                    self._ready.set_result(session)
+                    await closed.wait()
+                relays.cancel_scope.cancel()
         except Exception as e:
             if not self._ready.done():
                 self._ready.set_exception(e)
