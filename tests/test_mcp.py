@@ -23,7 +23,7 @@ from trajgen.errors import UsageError
 from trajgen.sandbox import SandboxConfig
 from trajgen.sandbox.config import bwrap_problem, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
-from trajgen.tools import mcp
+from trajgen.tools import mcp, mcp_config
 
 pytest.importorskip("mcp_server_git")
 pytest.importorskip("mcp_server_time")
@@ -99,7 +99,7 @@ def sandbox_config(tmp_path) -> SandboxConfig:
 
 
 def probe(config: SandboxConfig, tool_timeout: float = 60, allow_private: bool = False, **servers) -> dict:
-    entries = tuple(mcp._server("test", name, entry) for name, entry in servers.items())
+    entries = tuple(mcp_config._server("test", name, entry) for name, entry in servers.items())
     return {t.name: t for t in arun(mcp.probe(entries, config, tool_timeout, allow_private))}
 
 
@@ -183,7 +183,7 @@ def test_tool_errors_are_failed_results(sandbox_config):
 
 def test_server_that_cannot_start_is_named_with_its_reason(sandbox_config):
     broken = {"command": sys.executable, "args": ["-c", "import sys; sys.exit('no database at /data/x.db')"]}
-    with pytest.raises(mcp.ServerFailed, match=r"MCP server db cannot start.*no database at /data/x.db"):
+    with pytest.raises(mcp_config.ServerFailed, match=r"MCP server db cannot start.*no database at /data/x.db"):
         probe(sandbox_config, tool_timeout=30, db=broken)
 
 
@@ -201,7 +201,7 @@ def test_bad_configs_are_usage_errors(tmp_path, config, message):
     path = tmp_path / "mcp.json"
     path.write_text(config)
     with pytest.raises(UsageError, match=message):
-        mcp.load_config(str(path))
+        mcp_config.load_config(str(path))
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def http_server(tmp_path):
 
 
 def test_url_server_over_streamable_http_with_an_image_result(sandbox_config, http_server):
-    with pytest.raises(mcp.ServerFailed, match="loopback"):  # the network guard applies to its address
+    with pytest.raises(mcp_config.ServerFailed, match="loopback"):  # the network guard applies to its address
         probe(sandbox_config, docs={"url": http_server})
     tools = probe(sandbox_config, allow_private=True, docs={"url": http_server})
     assert set(tools) == {"lookup", "red_pixel"}
@@ -271,3 +271,54 @@ def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, s
         assert row["metadata"]["toolsets_offered"] == ["terminal", "git"]
         assert {t["function"]["name"]: t for t in row["tools"]} == sent_tools
     assert sent_tools["git_log"]["function"]["parameters"]["required"] == ["repo_path"]
+
+
+@pytest.mark.parametrize("servers, flags, code, message", [
+    ({"git": {"command": sys.executable, "args": "-m mcp_server_git"}}, {}, 2, '"args" must be a list'),
+    ({"git": GIT, "git2": GIT}, {}, 2, "tool git_status of MCP server git2 clashes with MCP server git's"),
+    ({"db": {"command": "/nonexistent/server"}}, {}, 1, "MCP server db cannot start or list its tools"),
+    ({"git": GIT}, {"distribution": "dist.json"}, 2, "bad entry gti=50"),
+    ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: distribution --toolsets: bad entry gti=100"),
+])
+def test_bad_setups_stop_the_run_before_any_request(cli, scripted_server, tmp_path, servers, flags, code, message):
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (tmp_path / "dist.json").write_text(json.dumps({"terminal": 100, "gti": 50}))
+    with scripted_server({"default": [think()]}) as server:
+        done = cli.run(*cli.args(server, mcp_config="mcp.json", **flags))
+        assert server.stats()["requests"] == 0
+    assert done.returncode == code, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (cli.run_dir() / "trajectories.jsonl").exists()
+
+
+def test_list_distributions_shows_the_configs_toolsets(cli, tmp_path):
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"git": GIT, "time": TIME}}))
+    done = cli.run("--list_distributions", "--mcp_config=mcp.json")
+    assert done.returncode == 0, done.stderr
+    assert "MCP toolsets (--mcp_config): git, time." in " ".join(done.stdout.split())
+
+
+def test_no_server_outlives_a_killed_run_and_resume_finishes_it(cli, scripted_server, tmp_path):
+    """kill -9 of the runner mid-prompt: the server inside the sandbox dies with it; --resume then
+    runs the prompt again, and no server is left after it either."""
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"time": TIME}}))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "what time is it"}])
+    held = [call("get_current_time", timezone="UTC"), {**think("it is now"), "gate": "hold"}]
+    with scripted_server({"default": held}) as server:
+        runner = cli.start(*cli.args(server, mcp_config="mcp.json", toolsets="time", num_workers=1))
+        servers = wait_for(lambda: servers_under(runner.pid, "mcp_server_time"), "the server to start")
+        wait_for(lambda: server.stats()["requests"] >= 2, "the reply after the tool call to be asked for")
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait(timeout=60)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in servers), "the killed run's server to end")
+        server.open_gate("hold")
+        resumed = cli.start(*cli.args(server, mcp_config="mcp.json", toolsets="time", num_workers=1, resume=True))
+        seen = set()
+        while resumed.poll() is None:
+            seen.update(servers_under(resumed.pid, "mcp_server_time"))
+            time.sleep(0.05)
+        assert resumed.returncode == 0, resumed.stderr.read()
+    assert seen and not any(os.path.exists(f"/proc/{p}") for p in seen)
+    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert row["tool_stats"]["get_current_time"]["success"] == 1

@@ -57,12 +57,12 @@ def distributions_table(mcp_toolsets: tuple[str, ...] = ()) -> Table:
     for toolset in TOOLSETS:
         table.add_column(toolset, justify="right")
     for toolset in mcp_toolsets:
-        table.add_column(f"{toolset} (MCP)", justify="right")
+        table.add_column(toolset, justify="right")
     for d in DISTRIBUTIONS.values():
         table.add_row(d.name, d.description, *(str(d.chances.get(t, "")) for t in (*TOOLSETS, *mcp_toolsets)))
     if mcp_toolsets:
-        table.caption = ("MCP toolsets are offered through --toolsets or a --distribution JSON file, "
-                         'e.g. {"terminal": 100, "' + mcp_toolsets[0] + '": 80}')
+        table.caption = (f"MCP toolsets (--mcp_config): {', '.join(mcp_toolsets)}. Offer them with --toolsets "
+                         f'or a --distribution JSON file, e.g. {{"terminal": 100, "{mcp_toolsets[0]}": 80}}')
     return table
 
 

@@ -4,6 +4,7 @@ workers), finish (merge, statistics, exit status). `batch_runner.py` is the CLI 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import time
@@ -21,7 +22,7 @@ from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as chec
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
-from trajgen.tools import ToolSettings, ToolSpec, mcp
+from trajgen.tools import ToolSettings, ToolSpec, mcp_config
 from trajgen.work import ModelSettings, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
 
@@ -41,7 +42,7 @@ class Prepared:
     unavailable_sets: dict[str, str]
     plan: Plan
     distribution: Distribution
-    mcp_servers: tuple[mcp.Server, ...] = ()
+    mcp_servers: tuple[mcp_config.Server, ...] = ()
     mcp_tools: tuple[ToolSpec, ...] = ()  # read from the servers by the probe, just before the run
 
     def tasks(self) -> Iterator[Task]:
@@ -56,7 +57,7 @@ class Prepared:
 def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
-        servers = mcp.load_config(opts.mcp_config) if opts.mcp_config else ()
+        servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
         console.out.print(console.distributions_table(tuple(s.name for s in servers)))
         return 0
     if opts.export:
@@ -89,7 +90,7 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
             if prepared.mcp_servers:
                 try:
                     prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))
-                except mcp.ServerFailed as e:
+                except mcp_config.ServerFailed as e:
                     console.error(f"{e}; nothing was sent")
                     return 1
             missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
@@ -145,7 +146,9 @@ def prepare(opts: RunOptions) -> Prepared:
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
-    servers = mcp.load_config(opts.mcp_config) if opts.mcp_config else ()
+    servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
+    if servers and importlib.util.find_spec("mcp") is None:
+        raise UsageError("--mcp_config needs the MCP SDK: pip install 'trajgen-batch-runner[mcp]'")
     try:
         distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
                                             (*TOOLSETS, *(s.name for s in servers)))
@@ -300,6 +303,7 @@ def _say_what_is_missing(prepared: Prepared) -> None:
 
 def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:
     """The MCP servers' tools, read once; a name given twice stops the run naming both holders."""
+    from trajgen.tools import mcp  # the SDK only when a config names servers
     opts = prepared.opts
     tools = asyncio.run(mcp.probe(prepared.mcp_servers, sandbox, opts.tool_timeout, opts.allow_private_urls))
     holders = {name: f"the built-in toolset {spec.toolset}" for name, spec in registry.REGISTRY.items()}
