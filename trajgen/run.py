@@ -130,6 +130,14 @@ def run_export(opts: RunOptions) -> int:
 def prepare(opts: RunOptions) -> Prepared:
     """Check the flags, the key, the dataset and the run directory; plan; say what is missing."""
     check_options(opts)
+    servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
+    if servers and importlib.util.find_spec("mcp") is None:
+        raise UsageError("--mcp_config needs the MCP SDK: pip install 'trajgen-batch-runner[mcp]'")
+    try:
+        distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
+                                            (*TOOLSETS, *(s.name for s in servers)))
+    except ValueError as e:
+        raise UsageError(f"--{'toolsets' if opts.toolsets else 'distribution'}: {e}")
     api_key = _api_key(opts)
     prefill = _prefill(opts.prefill_messages_file)
     check = _check_dataset(opts)
@@ -146,14 +154,6 @@ def prepare(opts: RunOptions) -> Prepared:
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
-    servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
-    if servers and importlib.util.find_spec("mcp") is None:
-        raise UsageError("--mcp_config needs the MCP SDK: pip install 'trajgen-batch-runner[mcp]'")
-    try:
-        distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
-                                            (*TOOLSETS, *(s.name for s in servers)))
-    except ValueError as e:
-        raise UsageError(f"--{'toolsets' if opts.toolsets else 'distribution'}: {e}")
     prepared = Prepared(opts, run_dir, check, manifest, scan, opts.model_settings(api_key, prefill), tools,
                         unavailable_tools, unavailable_sets, Plan(), distribution, servers)
     prepared = replace(prepared, plan=plan_module.count(prepared.tasks(), scan.next_batch,
