@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -27,6 +28,10 @@ from trajgen.sandbox.process import OUTPUT_CAP, last_line
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.tools.mcp_config import Server, ServerFailed
 from trajgen.tools.netguard import check_url
+
+# the SDK logs a server's misbehaviour with tracebacks; here it becomes the call's failed result
+logging.getLogger("mcp").addHandler(logging.NullHandler())
+logging.getLogger("mcp").propagate = False
 
 
 class _Fault(Exception):
@@ -112,9 +117,9 @@ def _describe(error: BaseException) -> str:
 @asynccontextmanager
 async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
     """The streams of `server` run inside `sandbox`, in its work dir."""
-    launch = stdio.launch(sandbox, [server.command, *server.args], dict(server.env))
+    launch = await stdio.launch(sandbox, [server.command, *server.args], dict(server.env))
     try:
-        params = StdioServerParameters(command=launch.command, args=launch.args, cwd=launch.cwd)
+        params = StdioServerParameters(command=launch.argv[0], args=launch.argv[1:], env=launch.env, cwd=launch.cwd)
         async with stdio_client(params, errlog=errlog) as streams:
             yield streams
     finally:
