@@ -7,6 +7,7 @@ that are not text); CLI tests run `python batch_runner.py` against the scripted 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -157,14 +158,17 @@ def test_killed_server_fails_nothing_and_restarts_at_the_next_call(sandbox_confi
 
 def test_hanging_server_hits_the_tool_timeout_then_restarts(sandbox_config):
     tools = probe(sandbox_config, time=TIME)
-    prompt = Prompt(sandbox_config, "hung", tool_timeout=3)
+    prompt = Prompt(sandbox_config, "hung")
+    started = prompt.ctx.settings
     try:
-        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]
+        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]  # a start may take long here
         [server] = servers_under(os.getpid(), "mcp_server_time")
         os.kill(server, signal.SIGSTOP)
+        prompt.ctx.settings = dataclasses.replace(started, tool_timeout=3)
         hung = prompt.call(tools["get_current_time"], timezone="UTC")
         assert not hung["success"] and "no answer within 3 s" in hung["error"]
         wait_for(lambda: not os.path.exists(f"/proc/{server}"), "the stopped server to be killed")
+        prompt.ctx.settings = started
         assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]
     finally:
         prompt.close()
@@ -176,7 +180,14 @@ def test_tool_errors_are_failed_results(sandbox_config):
     try:
         bad = prompt.call(tools["get_current_time"], timezone="Not/AZone")
         assert not bad["success"] and "Not/AZone" in bad["error"]
-        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]  # the same server, still up
+        [server] = servers_under(os.getpid(), "mcp_server_time")
+        assert not prompt.call(tools["get_current_time"], zone="UTC")["success"]
+        server_spec = tools["get_current_time"].fn.args[0]  # a protocol error answers a tool it does not have
+        unknown = arun(mcp.call_tool(server_spec, "no_such_tool", prompt.ctx))
+        assert not unknown["success"] and unknown["error"].startswith("MCP server time: ")
+        assert "starts again" not in unknown["error"]
+        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]
+        assert servers_under(os.getpid(), "mcp_server_time") == [server]  # the same server throughout
     finally:
         prompt.close()
 

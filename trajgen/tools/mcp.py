@@ -21,6 +21,8 @@ from mcp import ClientSession
 from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED
 
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
 from trajgen.sandbox import stdio
@@ -36,6 +38,10 @@ logging.getLogger("mcp").propagate = False
 
 class _Fault(Exception):
     """The server failed a call (exited, hung, broke the protocol): the call fails, the server restarts."""
+
+
+class _Refused(_Fault):
+    """The server answered the call with an error (an unknown tool, bad arguments): the call fails, the server stays."""
 
 
 class _Session:
@@ -90,6 +96,10 @@ class _Session:
     async def _call(self, request):
         try:
             return await request(await asyncio.shield(self._ready))
+        except MCPError as e:
+            if e.code != CONNECTION_CLOSED:
+                raise _Refused(f"error {e.code}: {e.message}") from e
+            raise _Fault(self.stderr_tail() or _describe(e)) from e
         except Exception as e:  # the protocol's errors (McpError), a closed connection, a refused start...
             raise _Fault(self.stderr_tail() or _describe(e)) from e
 
@@ -146,9 +156,10 @@ def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Sessio
 
 async def call_tool(server: Server, tool: str, ctx: ToolContext, /, **arguments) -> dict:
     """One call of `server`'s `tool` in this prompt's session of it, started at the first call."""
-    sessions: dict[str, _Session] = ctx.state.setdefault("mcp", {})
-    if not sessions:
-        ctx.cleanups.append(lambda: _stop_all(sessions))
+    sessions: dict[str, _Session] | None = ctx.state.get("mcp")
+    if sessions is None:
+        sessions = ctx.state["mcp"] = {}
+        ctx.cleanups.append(functools.partial(_stop_all, sessions))
     session = sessions.get(server.name)
     if session is None or session.ended():
         if session is not None:
@@ -156,6 +167,8 @@ async def call_tool(server: Server, tool: str, ctx: ToolContext, /, **arguments)
         session = sessions[server.name] = _open(server, ctx.sandbox, ctx.settings.allow_private_urls)
     try:
         result = await session.run(lambda s: s.call_tool(tool, arguments), ctx.settings.tool_timeout)
+    except _Refused as e:
+        return {"success": False, "error": f"MCP server {server.name}: {e}"}
     except _Fault as e:
         await session.stop()
         sessions.pop(server.name, None)
