@@ -84,10 +84,13 @@ class _Session:
     async def run(self, request, timeout: float):
         """`request(session)`'s result, within `timeout` seconds that include starting the server; _Fault else."""
         call = asyncio.ensure_future(self._call(request))
-        done, _ = await asyncio.wait({call, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({call, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # a hung call, and one whose prompt was cancelled (its deadline), end here
+            if not call.done():
+                call.cancel()
         if call in done:
             return call.result()
-        call.cancel()
         if not done:
             raise _Fault(f"no answer within {timeout:g} s")
         error = None if self._task.cancelled() else self._task.exception()
