@@ -286,8 +286,9 @@ def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, s
 
 @pytest.mark.parametrize("servers, flags, code, message", [
     ({"git": {"command": sys.executable, "args": "-m mcp_server_git"}}, {}, 2, '"args" must be a list'),
-    ({"git": GIT, "git2": GIT}, {}, 2, "tool git_status of MCP server git2 clashes with MCP server git's"),
-    ({"db": {"command": "/nonexistent/server"}}, {}, 1, "MCP server db cannot start or list its tools"),
+    ({"git": GIT, "git2": GIT}, {"toolsets": "git,git2"}, 2,
+     "tool git_status of MCP server git2 clashes with MCP server git's"),
+    ({"db": {"command": "/nonexistent/server"}}, {"toolsets": "db"}, 1, "MCP server db cannot start or list its tools"),
     ({"git": GIT}, {"distribution": "dist.json"}, 2, "bad entry gti=50"),
     ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: distribution --toolsets: bad entry gti=100"),
 ])

@@ -87,7 +87,7 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
         try:
             if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
                 reap(sandbox)
-            if prepared.mcp_servers:
+            if any(prepared.plan.sampled[s.name] for s in prepared.mcp_servers):
                 try:
                     prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))
                 except mcp_config.ServerFailed as e:
@@ -302,10 +302,12 @@ def _say_what_is_missing(prepared: Prepared) -> None:
 
 
 def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:
-    """The MCP servers' tools, read once; a name given twice stops the run naming both holders."""
+    """The tools of the MCP servers the plan's prompts may call, read once; a name given twice
+    stops the run naming both holders."""
     from trajgen.tools import mcp  # the SDK only when a config names servers
     opts = prepared.opts
-    tools = asyncio.run(mcp.probe(prepared.mcp_servers, sandbox, opts.tool_timeout, opts.allow_private_urls))
+    servers = tuple(s for s in prepared.mcp_servers if prepared.plan.sampled[s.name])
+    tools = asyncio.run(mcp.probe(servers, sandbox, opts.tool_timeout, opts.allow_private_urls))
     holders = {name: f"the built-in toolset {spec.toolset}" for name, spec in registry.REGISTRY.items()}
     for tool in tools:
         if tool.name in holders:
@@ -313,7 +315,7 @@ def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ..
                              f"{holders[tool.name]}'s")
         holders[tool.name] = f"MCP server {tool.toolset}"
     console.notice(", ".join(f"MCP server {s.name}: {sum(t.toolset == s.name for t in tools)} tools"
-                             for s in prepared.mcp_servers))
+                             for s in servers))
     return tuple(tools)
 
 
