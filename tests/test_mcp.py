@@ -215,11 +215,11 @@ def test_bad_configs_are_usage_errors(tmp_path, config, message):
         mcp_config.load_config(str(path))
 
 
-@pytest.fixture
-def http_server(tmp_path):
+def serve_mcp(*transport: str):
+    """The URL of the stand-in MCP server, listening on 127.0.0.1 for the length of the test."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(HTTP_SERVER), str(port)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, str(HTTP_SERVER), str(port), *transport],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def listening() -> bool:
         try:
@@ -229,17 +229,27 @@ def http_server(tmp_path):
             return False
     try:
         wait_for(listening, "the MCP HTTP server to listen")
-        yield f"http://127.0.0.1:{port}/mcp"
+        yield f"http://127.0.0.1:{port}/{transport[0] if transport else 'mcp'}"
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def http_server():
+    yield from serve_mcp()
+
+
+@pytest.fixture
+def sse_server():
+    yield from serve_mcp("sse")
 
 
 def test_url_server_over_streamable_http_with_an_image_result(sandbox_config, http_server):
     with pytest.raises(mcp_config.ServerFailed, match="loopback"):  # the network guard applies to its address
         probe(sandbox_config, docs={"url": http_server})
     tools = probe(sandbox_config, allow_private=True, docs={"url": http_server})
-    assert set(tools) == {"lookup", "red_pixel"}
+    assert set(tools) == {"lookup", "red_pixel", "flood"}
     prompt = Prompt(sandbox_config, "url", allow_private=True)
     try:
         assert prompt.call(tools["lookup"], word="mcp") == {
@@ -248,7 +258,19 @@ def test_url_server_over_streamable_http_with_an_image_result(sandbox_config, ht
         image = prompt.call(tools["red_pixel"])
         assert image["success"] and image["output"] == "[image (image/png)]"
         assert image["content"][0]["type"] == "image" and image["content"][0]["data"]
+        flood = prompt.call(tools["flood"])
+        assert not flood["success"] and "more than the cap of 50000" in flood["error"]
         assert prompt.box is None  # a url server needs no sandbox
+    finally:
+        prompt.close()
+
+
+def test_url_server_that_speaks_only_sse_is_found_by_the_probe(sandbox_config, sse_server):
+    tools = probe(sandbox_config, allow_private=True, docs={"url": sse_server})
+    assert tools["lookup"].fn.args[0].sse
+    prompt = Prompt(sandbox_config, "sse", allow_private=True)
+    try:
+        assert prompt.call(tools["lookup"], word="sse")["output"] == "sse: model context protocol"
     finally:
         prompt.close()
 

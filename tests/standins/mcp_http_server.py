@@ -1,5 +1,6 @@
-"""A small MCP server over streamable HTTP on 127.0.0.1:<port> (argv[1]), for the `url` path's
-tests: a text tool and a tool whose result is an image, built with the official SDK."""
+"""A small MCP server on 127.0.0.1:<port> (argv[1]) over streamable HTTP at /mcp, or SSE at /sse
+when argv[2] is `sse`, for the `url` path's tests: a text tool, a tool whose result is an image
+and one whose result is larger than the runner's cap, built with the official SDK."""
 from __future__ import annotations
 
 import base64
@@ -23,5 +24,11 @@ def red_pixel() -> Image:
     return Image(data=RED_PIXEL, format="png")
 
 
+@server.tool(description="Far too much text.")
+def flood() -> str:
+    return "x" * 60_000
+
+
 if __name__ == "__main__":
-    server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    transport = "sse" if sys.argv[2:] == ["sse"] else "streamable-http"
+    server.run(transport=transport, host="127.0.0.1", port=int(sys.argv[1]))
