@@ -24,6 +24,7 @@ from trajgen.errors import UsageError
 from trajgen.sandbox import SandboxConfig
 from trajgen.sandbox.config import bwrap_problem, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
+from trajgen import trajectory
 from trajgen.tools import mcp, mcp_config
 
 pytest.importorskip("mcp_server_git")
@@ -257,7 +258,8 @@ def test_url_server_over_streamable_http_with_an_image_result(sandbox_config, ht
             "structured_content": {"result": "mcp: model context protocol"}}
         image = prompt.call(tools["red_pixel"])
         assert image["success"] and image["output"] == "[image (image/png)]"
-        assert image["content"][0]["type"] == "image" and image["content"][0]["data"]
+        assert image["content_blocks"][0]["type"] == "image" and image["content_blocks"][0]["data"]
+        assert "content_blocks" not in trajectory.sent_result(image)
         flood = prompt.call(tools["flood"])
         assert not flood["success"] and "more than the cap of 50000" in flood["error"]
         assert prompt.box is None  # a url server needs no sandbox
@@ -356,3 +358,19 @@ def test_no_server_outlives_a_killed_run_and_resume_finishes_it(cli, scripted_se
     assert seen and not any(os.path.exists(f"/proc/{p}") for p in seen)
     [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
     assert row["tool_stats"]["get_current_time"]["success"] == 1
+
+
+def test_image_result_reaches_the_row_but_not_the_model(cli, scripted_server, tmp_path, http_server):
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"docs": {"url": http_server}}}))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "show me red"}])
+    with scripted_server({"default": [call("red_pixel"), think("a red pixel")]}) as server:
+        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True))
+        assert done.returncode == 0, done.stderr
+        sent = server.requests()[1]["body"]["messages"][-1]
+    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    [turn] = [t for t in row["conversations"] if t["from"] == "tool"]
+    [block] = turn["content_blocks"]
+    assert block["type"] == "image" and block["mimeType"] == "image/png" and block["data"]
+    assert sent["role"] == "tool" and "[image (image/png)]" in sent["content"] and block["data"] not in sent["content"]
+    assert block["data"] not in turn["value"] and turn["message"] == sent
+    assert row["tool_stats"]["red_pixel"]["success"] == 1

@@ -71,7 +71,7 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
         for call in calls:
             result = await registry.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
             conv.results.append(result)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(result)})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(trajectory.sent_result(result))})
     conv.wall_seconds = round(time.monotonic() - started, 3)
     conv.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return conv

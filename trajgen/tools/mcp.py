@@ -24,12 +24,15 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED
 
+from trajgen import trajectory
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
 from trajgen.sandbox import stdio
 from trajgen.sandbox.process import OUTPUT_CAP, last_line
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.tools.mcp_config import Server, ServerFailed
 from trajgen.tools.netguard import check_url
+
+BLOCKS_CAP = 4 << 20  # bytes of a result's non-text blocks (images...) a row may keep
 
 # the SDK logs a server's misbehaviour with tracebacks; here it becomes the call's failed result
 logging.getLogger("mcp").addHandler(logging.NullHandler())
@@ -184,22 +187,22 @@ async def _stop_all(sessions: dict[str, _Session]) -> None:
 
 
 def render(result) -> dict:
-    """A tool result as a row stores it: the text for ShareGPT; blocks that are not text and any
-    structured content as the SDK gives them; past the output cap, a failure."""
+    """A tool result as a row stores it: its text, and a line naming each block that is not text,
+    for the model and ShareGPT; those blocks as the SDK gives them, in the row only
+    (trajectory.BLOCKS); any structured content. Past a cap, a failure."""
     text = "\n".join(block.text for block in result.content if block.type == "text")
     others = [block.model_dump(mode="json", by_alias=True, exclude_none=True)
               for block in result.content if block.type != "text"]
     rendered = [*([text] if text else []), *(_block_text(b) for b in others)]
     out = {"output": "\n".join(rendered), "success": not result.is_error,
            "error": (text or "the tool reported an error") if result.is_error else None}
-    if others:
-        out["content"] = others
     if result.structured_content is not None:
         out["structured_content"] = result.structured_content
-    size = len(orjson.dumps(out))
-    if size > OUTPUT_CAP:
-        return {"success": False, "error": f"the result is {size} bytes, more than the cap of {OUTPUT_CAP}"}
-    return out
+    for part, size, cap in (("result", len(orjson.dumps(out)), OUTPUT_CAP),
+                            ("non-text content", len(orjson.dumps(others)), BLOCKS_CAP)):
+        if size > cap:
+            return {"success": False, "error": f"the {part} is {size} bytes, more than the cap of {cap}"}
+    return {**out, trajectory.BLOCKS: others} if others else out
 
 
 def _block_text(block: dict) -> str:
