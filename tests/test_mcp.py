@@ -306,6 +306,9 @@ def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, s
         assert row["metadata"]["toolsets_offered"] == ["terminal", "git"]
         assert {t["function"]["name"]: t for t in row["tools"]} == sent_tools
     assert sent_tools["git_log"]["function"]["parameters"]["required"] == ["repo_path"]
+    # every MCP tool is zero-filled in every row, as the built-in ones are: the rows share their keys
+    assert len({tuple(row["tool_stats"]) for row in rows}) == 1
+    assert rows[0]["tool_stats"]["git_branch"] == {"count": 0, "success": 0, "failure": 0}
 
 
 @pytest.mark.parametrize("servers, flags, code, message", [

@@ -102,7 +102,7 @@ class _Worker:
             return decide(task, error=timeout, usage=paid.usage)
         except Exception as e:  # any other error fails this prompt only; resume retries it
             return decide(task, error=e, usage=paid.usage)
-        row = agent.render_row(task, conversation, self.config.model)
+        row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
         row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
         return decide(task, row=row, require_reasoning=self.config.require_reasoning, files=prompt.ctx.files)
