@@ -73,7 +73,7 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
         for call in calls:
             result = await registry.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
             conv.results.append(result)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(result)})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(trajectory.sent_result(result))})
     conv.wall_seconds = round(time.monotonic() - started, 3)
     conv.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return conv
@@ -84,14 +84,15 @@ def final_answer(conv: Conversation) -> str:
     return trajectory.split_reasoning(conv.replies[-1])[1]
 
 
-def render_row(task: Task, conv: Conversation, settings: ModelSettings) -> dict:
+def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool_names: tuple[str, ...] = ()) -> dict:
     """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
     part or the prefill), each with its `message` exactly as sent (a gpt turn also with its
-    `reasoning`), the tools offered, per-tool counts, and the metadata the statistics read."""
+    `reasoning`), the tools offered, per-tool counts (of every tool of the run, the MCP servers'
+    included, so every row has the same keys), and the metadata the statistics read."""
     turns = [{"from": "system", "value": settings.system_prompt,
               "message": {"role": "system", "content": settings.system_prompt}}] if settings.system_prompt else []
     turns.append({"from": "human", "value": task.prompt, "message": conv.messages[conv.prompt_at]})
-    stats = trajectory.empty_tool_stats(registry.ALL_TOOL_NAMES)
+    stats = trajectory.empty_tool_stats((*registry.ALL_TOOL_NAMES, *mcp_tool_names))
     hallucinated: list[str] = []
     replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
     reasoning_turns = 0

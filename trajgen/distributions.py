@@ -6,6 +6,8 @@ same toolsets and worker processes never share one random stream.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -17,11 +19,6 @@ class Distribution:
     name: str
     description: str
     chances: dict[str, int]  # toolset -> percent chance of being offered
-
-    def __post_init__(self) -> None:
-        for toolset, percent in self.chances.items():
-            if toolset not in TOOLSETS or not 0 < percent <= 100:
-                raise ValueError(f"distribution {self.name}: bad entry {toolset}={percent}")
 
 
 def _d(name: str, description: str, **chances: int) -> Distribution:
@@ -54,10 +51,45 @@ DISTRIBUTIONS: dict[str, Distribution] = {
 }
 
 
+def check(distribution: Distribution, known: tuple[str, ...]) -> None:
+    """ValueError (one line) unless every entry is a known toolset with a chance in 1..100."""
+    for toolset, percent in distribution.chances.items():
+        if toolset not in known or type(percent) is not int or not 0 < percent <= 100:
+            raise ValueError(f"distribution {distribution.name}: bad entry {toolset}={percent!r} "
+                             f"(toolsets: {', '.join(known)}; chances: integers 1 to 100)")
+
+
+for _builtin in DISTRIBUTIONS.values():
+    check(_builtin, TOOLSETS)
+
+
 def get_distribution(name: str) -> Distribution:
     if name not in DISTRIBUTIONS:
-        raise KeyError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}")
+        raise KeyError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}, or a JSON file")
     return DISTRIBUTIONS[name]
+
+
+def resolve(name: str, toolsets: list[str], known: tuple[str, ...]) -> Distribution:
+    """What the run samples: exactly `toolsets` when given, else a named distribution or a JSON
+    file of {toolset: percent}, checked against `known` (built-in and MCP toolsets); ValueError else."""
+    if toolsets:
+        wanted = Distribution("--toolsets", "the toolsets given", {t: 100 for t in toolsets})
+        check(wanted, known)
+        return wanted
+    if name in DISTRIBUTIONS:
+        return DISTRIBUTIONS[name]
+    if not name.endswith(".json") and not os.path.isfile(name):
+        raise ValueError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}, or a JSON file")
+    try:
+        with open(name, "rb") as f:
+            chances = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"distribution {name}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(chances, dict) or not chances:
+        raise ValueError(f'distribution {name}: must be a non-empty JSON object of toolset chances, e.g. {{"terminal": 100, "git": 50}}')
+    loaded = Distribution(name, "from a file", chances)
+    check(loaded, known)
+    return loaded
 
 
 def sample_toolsets(distribution: Distribution, seed: int, prompt_key: str) -> list[str]:

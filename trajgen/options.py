@@ -17,7 +17,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trajgen.distributions import get_distribution
 from trajgen.errors import UsageError
 from trajgen.local_model import NAME as LOCAL_MODEL
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, new_root_dir
@@ -70,7 +69,10 @@ class RunOptions:
     ray_address: str | None = flag(None, "With --executor=ray: unset starts a private local Ray instance; auto or host:port joins a running cluster.", group="scale")
     worker_cpus: float = flag(1.0, "With --executor=ray: CPUs each worker reserves (so, how many workers fit on a node).", group="scale")
     worker_memory: float | None = flag(None, "With --executor=ray: MB of memory each worker reserves (default: none).", group="scale")
-    distribution: str = flag("default", "Toolset distribution sampled per prompt (see --list_distributions).", resume=True, provenance=True, group="tools")
+    distribution: str = flag("default", "Toolset distribution sampled per prompt: a name (see --list_distributions) or a JSON file of {toolset: percent chance}.", resume=True, provenance=True, group="tools")
+    toolsets: ListFlag = flag(None, "Offer exactly these toolsets (comma list, MCP servers' included) to every prompt instead of sampling --distribution.", resume=True, provenance=True, group="tools")
+    mcp_config: str | None = flag(None, 'MCP servers as toolsets named after their keys: a JSON file {"mcpServers": {name: {"command", "args", "env"} or {"url"}}} (see docs/mcp.md).', resume=True, provenance=True, group="tools")
+    tool_timeout: float = flag(60.0, "Seconds an MCP tool call may take (its server's start included); past it the call fails and the server restarts at the next call.", minimum=0.001, group="tools")
     max_turns: int = flag(10, "API calls with tools per prompt before one last call asks for a final answer.", minimum=1, resume=True, provenance=True, group="limits")
     resume: bool = flag(False, "Continue an existing run: run only prompts without a final record.", group="resume")
     overwrite: bool = flag(False, "Delete an existing run directory of that name and start again.", group="resume")
@@ -159,7 +161,8 @@ class RunOptions:
             base_url=self.base_url, api_key=api_key, model=self.model,
             vision_model=self.vision_model or "", vision_base_url=self.vision_base_url or "",
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
-            browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls)
+            browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls,
+            tool_timeout=self.tool_timeout)
 
     @property
     def run_id(self) -> str:
@@ -258,10 +261,6 @@ def check(opts: RunOptions) -> None:
         raise UsageError("--provider_sort must be price, throughput or latency")
     if opts.reasoning_effort not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
-    try:
-        get_distribution(opts.distribution)
-    except KeyError as e:
-        raise UsageError(e.args[0])
     if opts.executor != "processes":  # Ray is imported only when asked for: its import costs every worker CPU and memory
         from trajgen.ray_executor import check_executor
         check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)

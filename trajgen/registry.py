@@ -50,8 +50,10 @@ def unavailable_toolsets(unavailable: dict[str, str]) -> dict[str, str]:
     return reasons
 
 
-def offered_tools(toolsets: list[str], unavailable: dict[str, str]) -> list[ToolSpec]:
-    return [t for ts in toolsets for t in toolset_tools(ts) if t.name not in unavailable]
+def offered_tools(toolsets: list[str], unavailable: dict[str, str], mcp_tools: tuple[ToolSpec, ...] = ()) -> list[ToolSpec]:
+    """The tools of `toolsets`, built-in or MCP (which are always available: the probe started them)."""
+    return [t for ts in toolsets for t in [*toolset_tools(ts), *(m for m in mcp_tools if m.toolset == ts)]
+            if t.name not in unavailable]
 
 
 async def dispatch(name: str, raw_arguments: str, offered: dict[str, ToolSpec], ctx: ToolContext) -> dict:

@@ -4,6 +4,7 @@ workers), finish (merge, statistics, exit status). `batch_runner.py` is the CLI 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import time
@@ -15,13 +16,13 @@ import orjson
 
 from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store, usage
 from trajgen import plan as plan_module
-from trajgen.distributions import get_distribution
+from trajgen.distributions import TOOLSETS, Distribution, resolve as resolve_distribution
 from trajgen.errors import UsageError
-from trajgen.options import DEFAULT_BASE_URL, RunOptions, check as check_options
+from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
-from trajgen.tools import ToolSettings
+from trajgen.tools import ToolSettings, ToolSpec, mcp_config
 from trajgen.work import ModelSettings, Task, WorkerConfig
 from trajgen.workers import ProcessPool, worker_share
 
@@ -40,8 +41,11 @@ class Prepared:
     unavailable_tools: dict[str, str]
     unavailable_sets: dict[str, str]
     plan: Plan
+    distribution: Distribution
     fresh: bool = True  # this invocation starts the run directory (it was empty, or --overwrite)
     not_in_dataset: int = 0  # rows and discards of prompts the dataset no longer has (a resume with another file)
+    mcp_servers: tuple[mcp_config.Server, ...] = ()
+    mcp_tools: tuple[ToolSpec, ...] = ()  # read from the servers by the probe, just before the run
 
     def tasks(self, entries: Iterator[dataset.Entry] | None = None) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset to run them, or from `entries` (the
@@ -49,7 +53,7 @@ class Prepared:
         opts = self.opts
         if entries is None:
             entries = dataset.entries(str(opts.dataset_file), self.check.duplicates, opts.max_samples)
-        return plan_module.tasks(entries, self.check.fingerprint, self.scan.done, get_distribution(opts.distribution),
+        return plan_module.tasks(entries, self.check.fingerprint, self.scan.done, self.distribution,
                                  opts.seed, opts.batch_size, self.scan.next_batch, self.unavailable_sets,
                                  self.scan.journal, opts.samples_per_prompt, opts.toolsets_per_sample)
 
@@ -65,7 +69,8 @@ class Prepared:
 def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
-        print(usage.distributions_text())
+        servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
+        print(usage.distributions_text(tuple(s.name for s in servers)))
         return 0
     if opts.list_tools:
         from trajgen import tool_check
@@ -97,6 +102,12 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     try:
         if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
             reap(sandbox)
+        if any(prepared.plan.sampled[s.name] for s in prepared.mcp_servers):
+            try:
+                prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))
+            except mcp_config.ServerFailed as e:
+                console.error(f"{e}; nothing was sent")
+                return 1
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
             return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
@@ -134,6 +145,14 @@ def run_export(opts: RunOptions) -> int:
 def prepare(opts: RunOptions) -> Prepared:
     """Check the flags, the key, the dataset and the run directory; plan; say what is missing."""
     check_options(opts)
+    servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
+    if servers and importlib.util.find_spec("mcp") is None:
+        raise UsageError("--mcp_config needs the MCP SDK: pip install 'trajgen-batch-runner[mcp]'")
+    try:
+        distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
+                                            (*TOOLSETS, *(s.name for s in servers)))
+    except ValueError as e:
+        raise UsageError(f"--{'toolsets' if opts.toolsets else 'distribution'}: {e}")
     api_key = _api_key(opts)
     prefill = _prefill(opts.prefill_messages_file)
     run_dir = Path(opts.output_dir) / opts.run_name
@@ -146,7 +165,8 @@ def prepare(opts: RunOptions) -> Prepared:
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     prepared = Prepared(opts, run_dir, dataset.DatasetCheck(), {}, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan(), opts.overwrite or not existed).counted()
+                        unavailable_tools, unavailable_sets, Plan(), distribution, opts.overwrite or not existed,
+                        mcp_servers=servers).counted()
     _say_what_is_wrong_with(prepared.check, opts)
     if refused:
         raise refused
@@ -179,7 +199,7 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir, opts.verify_timeout, opts.cache_max_mb)
+                          opts.verbose, opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -364,6 +384,24 @@ def _say_what_is_missing(prepared: Prepared) -> None:
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
     if opts.backend == "apptainer" and not _on_cluster(opts) and plan.images and (problem := apptainer_problem()):
         raise UsageError(f"the apptainer backend cannot run here: {problem}")
+
+
+def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:
+    """The tools of the MCP servers the plan's prompts may call, read once; a name given twice
+    stops the run naming both holders."""
+    from trajgen.tools import mcp  # the SDK only when a config names servers
+    opts = prepared.opts
+    servers = tuple(s for s in prepared.mcp_servers if prepared.plan.sampled[s.name])
+    tools = asyncio.run(mcp.probe(servers, sandbox, opts.tool_timeout, opts.allow_private_urls))
+    holders = {name: f"the built-in toolset {spec.toolset}" for name, spec in registry.REGISTRY.items()}
+    for tool in tools:
+        if tool.name in holders:
+            raise UsageError(f"--mcp_config: tool {tool.name} of MCP server {tool.toolset} clashes with "
+                             f"{holders[tool.name]}'s")
+        holders[tool.name] = f"MCP server {tool.toolset}"
+    console.notice(", ".join(f"MCP server {s.name}: {sum(t.toolset == s.name for t in tools)} tools"
+                             for s in servers))
+    return tuple(tools)
 
 
 def _on_cluster(opts: RunOptions) -> bool:

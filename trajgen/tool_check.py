@@ -6,9 +6,7 @@ and Modal only whether its SDK and credentials are present.
 """
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import ipaddress
 import os
 from pathlib import Path
 
@@ -76,20 +74,12 @@ def sandbox_problem(opts: RunOptions) -> str | None:
 
 def _docker_problem() -> str | None:
     """Asks the engine for its version when it listens on this machine; says so when it does not."""
-    from trajgen.sandbox import docker_api
+    from trajgen.sandbox import docker_client
 
-    where = docker_api.endpoint()
-    if where.unix is None and not (where.tcp and _loopback(where.tcp[0])):
-        return None  # a remote engine is not asked here: the run checks it before the first prompt
     try:
-        asyncio.run(docker_api.call("GET", "/version"))
+        if not docker_client.on_this_machine():
+            return None  # a remote engine is not asked here: the run checks it before the first prompt
+        docker_client.sync_call("version")
     except SandboxError as e:
         return f"{e}: start the Docker engine, or set DOCKER_HOST"
     return None
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -83,9 +83,18 @@ def gpt_turn(reasoning: str, content: str, calls: list[dict]) -> dict:
     return turn
 
 
+BLOCKS = "content_blocks"  # a result's parts that are not text (an MCP image...): kept in the row, never sent
+
+
+def sent_result(result: dict) -> dict:
+    """What the model is sent of a tool result: all of it but its BLOCKS, which its text names."""
+    return {k: v for k, v in result.items() if k != BLOCKS}
+
+
 def tool_turn(call_id: str, name: str, result: dict) -> dict:
-    body = envelope_json({"tool_call_id": call_id, "name": name, "content": result})
-    return {"from": "tool", "value": f"<tool_response>\n{body}\n</tool_response>", "tool_call_id": call_id}
+    body = envelope_json({"tool_call_id": call_id, "name": name, "content": sent_result(result)})
+    turn = {"from": "tool", "value": f"<tool_response>\n{body}\n</tool_response>", "tool_call_id": call_id}
+    return {**turn, BLOCKS: result[BLOCKS]} if BLOCKS in result else turn
 
 
 HERMES_TOOLS_PREAMBLE = (

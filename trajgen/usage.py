@@ -79,14 +79,19 @@ def help_text(prog: str, summary: str) -> str:
     return "\n".join(parts)
 
 
-def distributions_text() -> str:
-    """One block per distribution: its name and description, then each toolset's chance."""
+def distributions_text(mcp_toolsets: tuple[str, ...] = ()) -> str:
+    """One block per distribution: its name and description, then each toolset's chance; then the
+    MCP toolsets of a --mcp_config, which --toolsets or a distribution file can offer."""
     columns = width()
     parts = [fill("Toolset distributions (--distribution=NAME): the percent chance that each toolset is offered "
                   "to a prompt, drawn per prompt.", columns)]
     for d in DISTRIBUTIONS.values():
         chances = ", ".join(f"{t} {d.chances[t]}%" for t in TOOLSETS if t in d.chances)
         parts += ["", fill(f"{d.name}: {d.description}", columns), fill(chances, columns, "  ", "  ")]
+    if mcp_toolsets:
+        example = f'{{"terminal": 100, "{mcp_toolsets[0]}": 80}}'
+        parts += ["", fill(f"MCP toolsets (--mcp_config): {', '.join(mcp_toolsets)}. Offer them with --toolsets or a "
+                           f"--distribution JSON file, e.g. {example}", columns)]
     return "\n".join(parts)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trajgen.sandbox.config import SandboxConfig
-from trajgen.tools import ToolSettings
+from trajgen.tools import ToolSettings, ToolSpec
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class WorkerConfig:
     cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
     cache_max_mb: float = 1024.0  # a reply larger than the whole cache is not stored
+    mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class _Worker:
         """Schemas are built once per toolset combination, not per prompt."""
         combo = tuple(toolsets)
         if combo not in self.schemas:
-            tools = registry.offered_tools(toolsets, self.config.unavailable_tools)
+            tools = registry.offered_tools(toolsets, self.config.unavailable_tools, self.config.mcp_tools)
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
 
@@ -117,7 +117,7 @@ class _Worker:
             return decide(task, error=timeout, usage={**paid.usage, "stalls": endpoint.stalls})
         except Exception as e:  # any other error fails this prompt only; resume retries it
             return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
-        row = agent.render_row(task, conversation, self.config.model)
+        row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
         row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
         row["verify"] = (await self._verify(task, conversation, prompt)).as_row()

@@ -155,6 +155,14 @@ class DockerSandbox:
     def _user(self) -> str:
         return f"{self._uid[0]}:{self._uid[0]}" if self._uid else "0"
 
+    async def process_argv(self, command: list[str], env: dict[str, str]) -> list[str]:
+        """The docker CLI argv that runs `command` as a long-lived process of this container, with
+        stdin and stdout as its pipes: the commands' user, in the work dir, the image's environment
+        plus `env`. The CLI needs docker_client.docker_env(). The process ends when its stdin closes, or with the container."""
+        cid = await self._container()
+        return ["docker", "exec", "-i", "-u", self._user, "-w", self.cwd,
+                *(f"--env={k}={v}" for k, v in env.items()), cid, *command]
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
         if self._loop is not None:

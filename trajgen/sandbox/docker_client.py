@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import os
 import socket
 import threading
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,6 +82,24 @@ def _where() -> tuple[str, str | None, Any]:
     if context is None:
         raise BackendUnreachable(f"cannot reach the Docker engine: there is no docker context {name}")
     return f"docker context {name}", context.Host, context.TLSConfig or False
+
+
+def on_this_machine() -> bool:
+    """Whether the engine the environment names listens here (a unix socket, or TCP on loopback):
+    asked without connecting to it."""
+    _, base_url, _ = _where()
+    url = urllib.parse.urlsplit(base_url or DEFAULT_HOST)
+    if url.scheme in ("unix", "http+unix"):
+        return True
+    try:
+        return url.scheme in ("tcp", "http", "https") and ipaddress.ip_address(url.hostname or "").is_loopback
+    except ValueError:
+        return url.hostname == "localhost"
+
+
+def docker_env() -> dict[str, str]:
+    """What the docker CLI needs (the engine's settings, PATH, HOME), and none of the runner's other variables."""
+    return {k: v for k, v in os.environ.items() if k.startswith("DOCKER_") or k in ("PATH", "HOME")}
 
 
 def _reason(e: BaseException) -> str:

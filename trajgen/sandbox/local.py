@@ -67,15 +67,16 @@ def _under(path: str, dirs: tuple[str, ...]) -> bool:
 
 
 def bwrap_system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python and its venv."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
-    prefix = sys.base_prefix
-    if not _under(prefix, SYSTEM_DIRS):
+    for prefix in dict.fromkeys((sys.base_prefix, sys.prefix)):  # a venv's packages too (MCP servers beside the runner)
+        if _under(prefix, SYSTEM_DIRS):
+            continue
         parents = []  # e.g. /root is 0700 on the host: the sandbox's uid must be able to pass through
         parent = posixpath.dirname(prefix)
         while parent != "/":
@@ -87,8 +88,9 @@ def bwrap_system_binds() -> list[str]:
     return args
 
 
-def _identity(uid: int) -> tuple[list[str], list[str]]:
-    """(bwrap options, the prefix that makes the command loop run as `uid`).
+def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
+    """(bwrap options, the prefix that makes the command loop run as `uid`; or, not `loop`, any
+    other process of the sandbox, which becomes `uid` in full).
 
     As root, a user namespace would map the uid onto host root, which owns /etc/shadow and can
     read it; so bwrap stays in the host user namespace and setpriv really becomes the uid, with no
@@ -100,17 +102,19 @@ def _identity(uid: int) -> tuple[list[str], list[str]]:
     Unprivileged, a user namespace maps our own uid to nobody, and the loop is dumpable.
     """
     if os.geteuid() == 0:
-        loop = roots.loop_uid(uid)
-        setpriv = ["setpriv", f"--ruid={uid}", f"--euid={loop}", f"--rgid={uid}", f"--egid={loop}", "--clear-groups"]
+        if not loop:
+            return [], ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *NEW_PRIVILEGES_OFF]
+        other = roots.loop_uid(uid)
+        setpriv = ["setpriv", f"--ruid={uid}", f"--euid={other}", f"--rgid={uid}", f"--egid={other}", "--clear-groups"]
         return [], [*setpriv, *NEW_PRIVILEGES_OFF]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)], []
 
 
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
-                  pts: str | None = None) -> tuple[list[str], list[str]]:
+                  pts: str | None = None, loop: bool = True) -> tuple[list[str], list[str]]:
     """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
     the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's."""
-    identity, as_uid = _identity(uid)
+    identity, as_uid = _identity(uid, loop)
     options = [
         *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
         "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
@@ -123,10 +127,10 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
 
 
 def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str],
-               pts: str | None = None) -> tuple[list[str], list[int]]:
+               pts: str | None = None, loop: bool = True) -> tuple[list[str], list[int]]:
     """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
     seccomp_fd = seccomp.memfd(seccomp.program(network), "trajgen-seccomp")
-    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts)
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
@@ -202,6 +206,19 @@ class LocalSandbox:
             result.error = (f"the sandbox hit its memory limit ({self.config.memory_mb} MB, its /tmp and work dir "
                             "included); the kernel killed a process of the command")
         return result
+
+    def process_argv(self, command: list[str], env: dict[str, str]) -> tuple[list[str], list[int]]:
+        """The argv that runs `command` as a long-lived process of this sandbox (same uid, seccomp
+        filter, cgroup, network and limits as its commands, in its work dir, with exactly `env`),
+        and the fds it must inherit; unisolated (--unsafe_local), a plain limited process."""
+        setenv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        if not self.isolated:
+            return [*prlimit_argv(self.config), *setenv, *command], []
+        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
+                               [*prlimit_argv(self.config), *setenv, *command], self._pts, loop=False)
+        if self._group:
+            argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
+        return argv, fds
 
     def check_path(self, path: str) -> None:
         """SandboxError if `path` (relative to cwd, or absolute under it) leads out of the work dir."""

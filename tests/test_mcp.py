@@ -1,0 +1,379 @@
+"""MCP servers as toolsets, with real servers from PyPI (mcp-server-git, mcp-server-time) in real
+local sandboxes, and a streamable-HTTP server of our own on 127.0.0.1 for the `url` path.
+
+In-process tests drive trajgen/tools/mcp.py as a worker does (faults, restarts, timeouts, results
+that are not text); CLI tests run `python batch_runner.py` against the scripted model.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import arun, call, read_jsonl, think, write_jsonl
+from trajgen.errors import UsageError
+from trajgen.sandbox import SandboxConfig
+from trajgen.sandbox.config import bwrap_problem, open_sandbox
+from trajgen.tools import ToolContext, ToolSettings
+from trajgen import trajectory
+from trajgen.tools import mcp, mcp_config
+
+pytest.importorskip("mcp_server_git")
+pytest.importorskip("mcp_server_time")
+pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
+
+GIT = {"command": sys.executable, "args": ["-m", "mcp_server_git"]}
+TIME = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone=UTC"]}
+HTTP_SERVER = Path(__file__).parent / "standins" / "mcp_http_server.py"
+
+
+def descendants(pid: int) -> list[int]:
+    """The process tree under `pid` (this test's own processes, never the machine's)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def servers_under(pid: int, module: str) -> list[int]:
+    """The python processes of `module` in the tree under `pid` (not bwrap, prlimit or the shell)."""
+    return [p for p in descendants(pid) if cmdline(p).startswith(sys.executable) and f"-m {module}" in cmdline(p)]
+
+
+def wait_for(condition, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def settle(condition, what: str, timeout: float = 60) -> None:
+    """wait_for with the event loop running, as it always runs in a worker."""
+    async def poll() -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            await asyncio.sleep(0.05)
+    arun(poll())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def sandbox_config(tmp_path) -> SandboxConfig:
+    return SandboxConfig(root_dir=str(tmp_path / "sandboxes"), command_timeout=30)
+
+
+def probe(config: SandboxConfig, tool_timeout: float = 60, allow_private: bool = False, **servers) -> dict:
+    entries = tuple(mcp_config._server("test", name, entry) for name, entry in servers.items())
+    return {t.name: t for t in arun(mcp.probe(entries, config, tool_timeout, allow_private))}
+
+
+class Prompt:
+    """One prompt's sandbox and tool context, as a worker holds them."""
+
+    def __init__(self, config: SandboxConfig, key: str, tool_timeout: float = 60, allow_private: bool = False):
+        self.box = None
+        self.config, self.key = config, key
+        self.ctx = ToolContext(sandbox=self.sandbox, settings=ToolSettings(tool_timeout=tool_timeout,
+                                                                           allow_private_urls=allow_private))
+
+    async def sandbox(self):
+        if self.box is None:
+            self.box = open_sandbox(self.config, self.key)
+        return self.box
+
+    def call(self, tool, **arguments) -> dict:
+        return arun(tool.fn(self.ctx, **arguments))
+
+    def close(self) -> None:
+        async def close():
+            for cleanup in self.ctx.cleanups:
+                await cleanup()
+            if self.box is not None:
+                await self.box.close()
+        arun(close())
+
+
+def test_probe_reads_the_tools_and_their_schemas_verbatim(sandbox_config):
+    tools = probe(sandbox_config, git=GIT, time=TIME)
+    assert {"git_log", "git_status", "get_current_time", "convert_time"} <= set(tools)
+    assert tools["git_log"].toolset == "git" and tools["get_current_time"].toolset == "time"
+    assert "repo_path" in tools["git_log"].parameters["required"]
+    assert tools["git_log"].schema()["function"]["parameters"] == tools["git_log"].parameters
+
+
+def test_killed_server_fails_nothing_and_restarts_at_the_next_call(sandbox_config):
+    tools = probe(sandbox_config, time=TIME)
+    prompt = Prompt(sandbox_config, "killed")
+    try:
+        first = prompt.call(tools["get_current_time"], timezone="UTC")
+        assert first["success"] and first["structured_content"]["timezone"] == "UTC"
+        [server] = servers_under(os.getpid(), "mcp_server_time")
+        os.kill(server, signal.SIGKILL)
+        settle(lambda: prompt.ctx.state["mcp"]["time"].ended(), "the session to see its server gone")
+        again = prompt.call(tools["get_current_time"], timezone="Europe/Paris")
+        assert again["success"] and again["structured_content"]["timezone"] == "Europe/Paris"
+        [restarted] = servers_under(os.getpid(), "mcp_server_time")
+        assert restarted != server
+    finally:
+        prompt.close()
+    assert servers_under(os.getpid(), "mcp_server_time") == []
+
+
+def test_hanging_server_hits_the_tool_timeout_then_restarts(sandbox_config):
+    tools = probe(sandbox_config, time=TIME)
+    prompt = Prompt(sandbox_config, "hung")
+    started = prompt.ctx.settings
+    try:
+        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]  # a start may take long here
+        [server] = servers_under(os.getpid(), "mcp_server_time")
+        os.kill(server, signal.SIGSTOP)
+        prompt.ctx.settings = dataclasses.replace(started, tool_timeout=3)
+        hung = prompt.call(tools["get_current_time"], timezone="UTC")
+        assert not hung["success"] and "no answer within 3 s" in hung["error"]
+        wait_for(lambda: not os.path.exists(f"/proc/{server}"), "the stopped server to be killed")
+        prompt.ctx.settings = started
+        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]
+    finally:
+        prompt.close()
+
+
+def test_tool_errors_are_failed_results(sandbox_config):
+    tools = probe(sandbox_config, time=TIME)
+    prompt = Prompt(sandbox_config, "errors")
+    try:
+        bad = prompt.call(tools["get_current_time"], timezone="Not/AZone")
+        assert not bad["success"] and "Not/AZone" in bad["error"]
+        [server] = servers_under(os.getpid(), "mcp_server_time")
+        assert not prompt.call(tools["get_current_time"], zone="UTC")["success"]
+        server_spec = tools["get_current_time"].fn.args[0]  # a protocol error answers a tool it does not have
+        unknown = arun(mcp.call_tool(server_spec, "no_such_tool", prompt.ctx))
+        assert not unknown["success"] and unknown["error"].startswith("MCP server time: ")
+        assert "starts again" not in unknown["error"]
+        assert prompt.call(tools["get_current_time"], timezone="UTC")["success"]
+        assert servers_under(os.getpid(), "mcp_server_time") == [server]  # the same server throughout
+    finally:
+        prompt.close()
+
+
+def test_server_that_cannot_start_is_named_with_its_reason(sandbox_config):
+    broken = {"command": sys.executable, "args": ["-c", "import sys; sys.exit('no database at /data/x.db')"]}
+    with pytest.raises(mcp_config.ServerFailed, match=r"MCP server db cannot start.*no database at /data/x.db"):
+        probe(sandbox_config, tool_timeout=30, db=broken)
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{", "--mcp_config"),
+    ('{"servers": {}}', '"mcpServers"'),
+    ('{"mcpServers": {"terminal": {"command": "x"}}}', "built-in toolset terminal"),
+    ('{"mcpServers": {"a b": {"command": "x"}}}', "letters, digits"),
+    ('{"mcpServers": {"git": {"command": "x", "url": "http://127.0.0.1:1/mcp"}}}', 'exactly one of'),
+    ('{"mcpServers": {"git": {"command": "x", "args": "-m"}}}', '"args"'),
+    ('{"mcpServers": {"git": {"command": "x", "headers": {}}}}', "unknown key"),
+    ('{"mcpServers": {"docs": {"url": "ftp://x"}}}', "http"),
+])
+def test_bad_configs_are_usage_errors(tmp_path, config, message):
+    path = tmp_path / "mcp.json"
+    path.write_text(config)
+    with pytest.raises(UsageError, match=message):
+        mcp_config.load_config(str(path))
+
+
+def serve_mcp(*transport: str):
+    """The URL of the stand-in MCP server, listening on 127.0.0.1 for the length of the test."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(HTTP_SERVER), str(port), *transport],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+    try:
+        wait_for(listening, "the MCP HTTP server to listen")
+        yield f"http://127.0.0.1:{port}/{transport[0] if transport else 'mcp'}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture
+def http_server():
+    yield from serve_mcp()
+
+
+@pytest.fixture
+def sse_server():
+    yield from serve_mcp("sse")
+
+
+def test_url_server_over_streamable_http_with_an_image_result(sandbox_config, http_server):
+    with pytest.raises(mcp_config.ServerFailed, match="loopback"):  # the network guard applies to its address
+        probe(sandbox_config, docs={"url": http_server})
+    tools = probe(sandbox_config, allow_private=True, docs={"url": http_server})
+    assert set(tools) == {"lookup", "red_pixel", "flood"}
+    prompt = Prompt(sandbox_config, "url", allow_private=True)
+    try:
+        assert prompt.call(tools["lookup"], word="mcp") == {
+            "output": "mcp: model context protocol", "success": True, "error": None,
+            "structured_content": {"result": "mcp: model context protocol"}}
+        image = prompt.call(tools["red_pixel"])
+        assert image["success"] and image["output"] == "[image (image/png)]"
+        assert image["content_blocks"][0]["type"] == "image" and image["content_blocks"][0]["data"]
+        assert "content_blocks" not in trajectory.sent_result(image)
+        flood = prompt.call(tools["flood"])
+        assert not flood["success"] and "more than the cap of 50000" in flood["error"]
+        assert prompt.box is None  # a url server needs no sandbox
+    finally:
+        prompt.close()
+
+
+def test_url_server_that_speaks_only_sse_is_found_by_the_probe(sandbox_config, sse_server):
+    tools = probe(sandbox_config, allow_private=True, docs={"url": sse_server})
+    assert tools["lookup"].fn.args[0].sse
+    prompt = Prompt(sandbox_config, "sse", allow_private=True)
+    try:
+        assert prompt.call(tools["lookup"], word="sse")["output"] == "sse: model context protocol"
+    finally:
+        prompt.close()
+
+
+def git_script(prompts: list[str]) -> dict:
+    """Each prompt commits its own message in its work dir, then asks the git server for the log."""
+    return {"prompts": {p: [
+        call("terminal", command=f"git init -q . && git -c user.name=t -c user.email=t@t commit -q --allow-empty -m '{p}'"),
+        call("git_log", repo_path="/workspace"),
+        think("done"),
+    ] for p in prompts}}
+
+
+def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, scripted_server, tmp_path):
+    prompts = [f"commit-{i}" for i in range(3)]
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"git": GIT}}))
+    with scripted_server(git_script(prompts)) as server:
+        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="terminal,git"))
+        assert done.returncode == 0, done.stderr
+        rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+        sent_tools = {t["function"]["name"]: t for t in server.requests()[0]["body"]["tools"]}
+    assert len(rows) == 3
+    for row in rows:
+        prompt = next(t["value"] for t in row["conversations"] if t["from"] == "human")
+        log = json.loads(row["conversations"][-2]["value"].removeprefix("<tool_response>\n")
+                         .removesuffix("\n</tool_response>"))["content"]
+        assert log["success"] and f"Message: {prompt}" in log["output"]
+        assert [p for p in prompts if f"Message: {p}\n" in log["output"]] == [prompt]
+        assert row["tool_stats"]["git_log"] == {"count": 1, "success": 1, "failure": 0}
+        assert row["metadata"]["toolsets_offered"] == ["terminal", "git"]
+        assert {t["function"]["name"]: t for t in row["tools"]} == sent_tools
+    assert sent_tools["git_log"]["function"]["parameters"]["required"] == ["repo_path"]
+    # every MCP tool is zero-filled in every row, as the built-in ones are: the rows share their keys
+    assert len({tuple(row["tool_stats"]) for row in rows}) == 1
+    assert rows[0]["tool_stats"]["git_branch"] == {"count": 0, "success": 0, "failure": 0}
+
+
+@pytest.mark.parametrize("servers, flags, code, message", [
+    ({"git": {"command": sys.executable, "args": "-m mcp_server_git"}}, {}, 2, '"args" must be a list'),
+    ({"git": GIT, "git2": GIT}, {"toolsets": "git,git2"}, 2,
+     "tool git_status of MCP server git2 clashes with MCP server git's"),
+    ({"db": {"command": "/nonexistent/server"}}, {"toolsets": "db"}, 1, "MCP server db cannot start or list its tools"),
+    ({"git": GIT}, {"distribution": "dist.json"}, 2, "bad entry gti=50"),
+    ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: distribution --toolsets: bad entry gti=100"),
+])
+def test_bad_setups_stop_the_run_before_any_request(cli, scripted_server, tmp_path, servers, flags, code, message):
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (tmp_path / "dist.json").write_text(json.dumps({"terminal": 100, "gti": 50}))
+    with scripted_server({"default": [think()]}) as server:
+        done = cli.run(*cli.args(server, mcp_config="mcp.json", **flags))
+        assert server.stats()["requests"] == 0
+    assert done.returncode == code, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (cli.run_dir() / "trajectories.jsonl").exists()
+
+
+def test_list_distributions_shows_the_configs_toolsets(cli, tmp_path):
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"git": GIT, "time": TIME}}))
+    done = cli.run("--list_distributions", "--mcp_config=mcp.json")
+    assert done.returncode == 0, done.stderr
+    assert "MCP toolsets (--mcp_config): git, time." in " ".join(done.stdout.split())
+
+
+def test_no_server_outlives_a_killed_run_and_resume_finishes_it(cli, scripted_server, tmp_path):
+    """kill -9 of the runner mid-prompt: the server inside the sandbox dies with it; --resume then
+    runs the prompt again, and no server is left after it either."""
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"time": TIME}}))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "what time is it"}])
+    held = [call("get_current_time", timezone="UTC"), {**think("it is now"), "gate": "hold"}]
+    with scripted_server({"default": held}) as server:
+        runner = cli.start(*cli.args(server, mcp_config="mcp.json", toolsets="time", num_workers=1))
+        servers = wait_for(lambda: servers_under(runner.pid, "mcp_server_time"), "the server to start")
+        wait_for(lambda: server.stats()["requests"] >= 2, "the reply after the tool call to be asked for")
+        os.killpg(runner.pid, signal.SIGKILL)
+        runner.wait(timeout=60)
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in servers), "the killed run's server to end")
+        server.open_gate("hold")
+        resumed = cli.start(*cli.args(server, mcp_config="mcp.json", toolsets="time", num_workers=1, resume=True))
+        seen = set()
+        while resumed.poll() is None:
+            seen.update(servers_under(resumed.pid, "mcp_server_time"))
+            time.sleep(0.05)
+        assert resumed.returncode == 0, resumed.stderr.read()
+    assert seen and not any(os.path.exists(f"/proc/{p}") for p in seen)
+    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert row["tool_stats"]["get_current_time"]["success"] == 1
+
+
+def test_image_result_reaches_the_row_but_not_the_model(cli, scripted_server, tmp_path, http_server):
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"docs": {"url": http_server}}}))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "show me red"}])
+    with scripted_server({"default": [call("red_pixel"), think("a red pixel")]}) as server:
+        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True))
+        assert done.returncode == 0, done.stderr
+        sent = server.requests()[1]["body"]["messages"][-1]
+    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    [turn] = [t for t in row["conversations"] if t["from"] == "tool"]
+    [block] = turn["content_blocks"]
+    assert block["type"] == "image" and block["mimeType"] == "image/png" and block["data"]
+    assert sent["role"] == "tool" and "[image (image/png)]" in sent["content"] and block["data"] not in sent["content"]
+    assert block["data"] not in turn["value"] and turn["message"] == sent
+    assert row["tool_stats"]["red_pixel"]["success"] == 1

@@ -1,0 +1,258 @@
+"""MCP servers as toolsets: the probe that reads their tools, and one session per prompt.
+
+A `command` server runs inside the prompt's sandbox (sandbox/stdio.py), started at the prompt's
+first call of one of its tools and ended with the prompt; a `url` server is shared and reached
+over streamable HTTP (SSE where the probe finds only that). Every fault of a server becomes its
+call's failed result, and the next call starts the server again. The SDK speaks the protocol.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import tempfile
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import AsyncIterator, Callable
+
+import anyio
+import orjson
+from mcp import ClientSession
+from mcp.client.sse import sse_client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED
+
+from trajgen import trajectory
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
+from trajgen.sandbox import stdio
+from trajgen.sandbox.process import OUTPUT_CAP, last_line
+from trajgen.tools import ToolContext, ToolSpec
+from trajgen.tools.mcp_config import Server, ServerFailed
+from trajgen.tools.netguard import check_url
+
+BLOCKS_CAP = 4 << 20  # bytes of a result's non-text blocks (images...) a row may keep
+
+# the SDK logs a server's misbehaviour with tracebacks; here it becomes the call's failed result
+logging.getLogger("mcp").addHandler(logging.NullHandler())
+logging.getLogger("mcp").propagate = False
+
+
+class _Fault(Exception):
+    """The server failed a call (exited, hung, broke the protocol): the call fails, the server restarts."""
+
+
+class _Refused(_Fault):
+    """The server answered the call with an error (an unknown tool, bad arguments): the call fails, the server stays."""
+
+
+class _Session:
+    """One server's session, held by a task of its own: the SDK's contexts must be entered and
+    left in one task, while calls come from the conversation's."""
+
+    def __init__(self, streams: Callable[[], AsyncIterator], errlog) -> None:
+        self.errlog = errlog
+        self._ready: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._hold(streams))
+
+    async def _hold(self, streams) -> None:
+        """Until stopped, or until the server's side of the transport closes (it exited): then the
+        next call finds the session ended and starts the server again."""
+        try:
+            async with streams() as (read, write), anyio.create_task_group() as relays:
+                relay_in, relay_out = anyio.create_memory_object_stream(0)
+                closed = anyio.Event()
+
+                async def relay() -> None:
+                    async with relay_in:
+                        async for message in read:
+                            await relay_in.send(message)
+                    closed.set()
+
+                relays.start_soon(relay)
+                async with ClientSession(relay_out, write) as session:
+                    await session.initialize()
+                    self._ready.set_result(session)
+                    await closed.wait()
+                relays.cancel_scope.cancel()
+        except Exception as e:
+            if not self._ready.done():
+                self._ready.set_exception(e)
+            raise
+
+    def ended(self) -> bool:
+        return self._task.done()
+
+    async def run(self, request, timeout: float):
+        """`request(session)`'s result, within `timeout` seconds that include starting the server; _Fault else."""
+        call = asyncio.ensure_future(self._call(request))
+        try:
+            done, _ = await asyncio.wait({call, self._task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # a hung call, and one whose prompt was cancelled (its deadline), end here
+            if not call.done():
+                call.cancel()
+        if call in done:
+            return call.result()
+        if not done:
+            raise _Fault(f"no answer within {timeout:g} s")
+        error = None if self._task.cancelled() else self._task.exception()
+        raise _Fault(f"the server ended ({self.stderr_tail() or (_describe(error) if error else 'no reason given')})")
+
+    async def _call(self, request):
+        try:
+            return await request(await asyncio.shield(self._ready))
+        except MCPError as e:
+            if e.code != CONNECTION_CLOSED:
+                raise _Refused(f"error {e.code}: {e.message}") from e
+            raise _Fault(self.stderr_tail() or _describe(e)) from e
+        except Exception as e:  # the protocol's errors (McpError), a closed connection, a refused start...
+            raise _Fault(self.stderr_tail() or _describe(e)) from e
+
+    def stderr_tail(self) -> str | None:
+        """The server's last line of stderr: why it could not start, usually."""
+        if self.errlog is None or self.errlog.closed:
+            return None
+        self.errlog.seek(0)
+        text = self.errlog.read()[-4000:]
+        return last_line(text) if text.strip() else None
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if self.errlog is not None:
+            self.errlog.close()
+
+
+def _describe(error: BaseException) -> str:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+@asynccontextmanager
+async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
+    """The streams of `server` run inside `sandbox`, in its work dir."""
+    launch = await stdio.launch(sandbox, [server.command, *server.args], dict(server.env))
+    try:
+        params = StdioServerParameters(command=launch.argv[0], args=launch.argv[1:], env=launch.env, cwd=launch.cwd)
+        async with stdio_client(params, errlog=errlog) as streams:
+            yield streams
+    finally:
+        launch.close()
+
+
+def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Session:
+    if server.url:
+        @asynccontextmanager
+        async def streams() -> AsyncIterator:
+            if refused := await check_url(server.url, allow_private):
+                raise SandboxError(refused)
+            async with (sse_client(server.url) if server.sse else streamable_http_client(server.url)) as pair:
+                yield pair[0], pair[1]
+        return _Session(streams, None)
+    errlog = tempfile.TemporaryFile("w+")
+
+    @asynccontextmanager
+    async def in_sandbox() -> AsyncIterator:
+        async with _stdio(server, await get_sandbox(), errlog) as pair:
+            yield pair
+    return _Session(in_sandbox, errlog)
+
+
+async def call_tool(server: Server, tool: str, ctx: ToolContext, /, **arguments) -> dict:
+    """One call of `server`'s `tool` in this prompt's session of it, started at the first call."""
+    sessions: dict[str, _Session] | None = ctx.state.get("mcp")
+    if sessions is None:
+        sessions = ctx.state["mcp"] = {}
+        ctx.cleanups.append(functools.partial(_stop_all, sessions))
+    session = sessions.get(server.name)
+    if session is None or session.ended():
+        if session is not None:
+            await session.stop()
+        session = sessions[server.name] = _open(server, ctx.sandbox, ctx.settings.allow_private_urls)
+    try:
+        result = await session.run(lambda s: s.call_tool(tool, arguments), ctx.settings.tool_timeout)
+    except _Refused as e:
+        return {"success": False, "error": f"MCP server {server.name}: {e}"}
+    except _Fault as e:
+        await session.stop()
+        sessions.pop(server.name, None)
+        return {"success": False, "error": f"MCP server {server.name}: {e}; it starts again at the next call"}
+    return render(result)
+
+
+async def _stop_all(sessions: dict[str, _Session]) -> None:
+    await asyncio.gather(*(s.stop() for s in sessions.values()))
+
+
+def render(result) -> dict:
+    """A tool result as a row stores it: its text, and a line naming each block that is not text,
+    for the model and ShareGPT; those blocks as the SDK gives them, in the row only
+    (trajectory.BLOCKS); any structured content. Past a cap, a failure."""
+    text = "\n".join(block.text for block in result.content if block.type == "text")
+    others = [block.model_dump(mode="json", by_alias=True, exclude_none=True)
+              for block in result.content if block.type != "text"]
+    rendered = [*([text] if text else []), *(_block_text(b) for b in others)]
+    out = {"output": "\n".join(rendered), "success": not result.is_error,
+           "error": (text or "the tool reported an error") if result.is_error else None}
+    if result.structured_content is not None:
+        out["structured_content"] = result.structured_content
+    for part, size, cap in (("result", len(orjson.dumps(out)), OUTPUT_CAP),
+                            ("non-text content", len(orjson.dumps(others)), BLOCKS_CAP)):
+        if size > cap:
+            return {"success": False, "error": f"the {part} is {size} bytes, more than the cap of {cap}"}
+    return {**out, trajectory.BLOCKS: others} if others else out
+
+
+def _block_text(block: dict) -> str:
+    """A line naming a block that is not text (its bytes stay in `content`)."""
+    if block["type"] == "resource":
+        resource = block["resource"]
+        return resource.get("text") or f"[resource {resource.get('uri')} ({resource.get('mimeType', 'binary')})]"
+    if block["type"] == "resource_link":
+        return f"[resource link {block.get('uri')}]"
+    return f"[{block['type']} ({block.get('mimeType', 'unknown type')})]"
+
+
+async def probe(servers: tuple[Server, ...], sandbox: SandboxConfig, timeout: float,
+                allow_private: bool) -> list[ToolSpec]:
+    """Each server's tools, read once from an instance of its own; ServerFailed naming the first
+    server that cannot start or list them."""
+    return [tool for server in servers for tool in await _probe_one(server, sandbox, timeout, allow_private)]
+
+
+async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allow_private: bool) -> list[ToolSpec]:
+    from trajgen.sandbox.config import open_sandbox  # the backends' modules only when a config names a server
+    opened: list[Sandbox] = []
+
+    async def get_sandbox() -> Sandbox:
+        if not opened:
+            opened.append(await asyncio.to_thread(open_sandbox, config, f"mcp-probe-{server.name}"))
+        return opened[0]
+
+    async def listing(s: ClientSession) -> list:
+        tools, cursor = [], None
+        while True:
+            page = await s.list_tools(params={"cursor": cursor} if cursor else None)
+            tools += page.tools
+            if not (cursor := page.next_cursor):
+                return tools
+
+    attempts = [server, replace(server, sse=True)] if server.url and not server.sse else [server]
+    try:
+        for attempt in attempts:
+            session = _open(attempt, get_sandbox, allow_private)
+            try:
+                tools = await session.run(listing, timeout)
+                break
+            except _Fault as e:
+                if attempt is attempts[-1]:
+                    raise ServerFailed(f"MCP server {server.name} cannot start or list its tools: {e}") from None
+            finally:
+                await session.stop()
+    finally:
+        for s in opened:
+            await s.close()
+    return [ToolSpec(t.name, server.name, t.description or "", t.input_schema,
+                     functools.partial(call_tool, attempt, t.name)) for t in tools]
