@@ -8,6 +8,7 @@ of the run directory -> merge -> statistics. The flags are the fields of `trajge
 """
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -52,7 +53,9 @@ main.__doc__ = options.docstring(SUMMARY)
 
 
 def cli(argv: list[str]) -> None:
-    """Every argument is checked before anything starts; --help is printed from RunOptions, with no pager."""
+    """Every argument is checked before anything starts, then Fire calls `main` with the checked
+    values as Python literals (so its own parsing cannot turn --run_name=001 into 1); --help is
+    printed from RunOptions, with no pager."""
     from trajgen import console
 
     if flags.wants_help(argv):
@@ -65,7 +68,16 @@ def cli(argv: list[str]) -> None:
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
-    main(**parsed)
+    import fire
+
+    fire.Fire(main, command=[f"--{name}={_literal(value)}" for name, value in parsed.items()], name="batch_runner.py")
+
+
+def _literal(value) -> str:
+    """`value` as a Python literal that Fire reads back as it is (Python has none for infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return "-1e999" if value < 0 else "1e999"
+    return repr(value)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,17 @@ def test_both_spellings_and_every_boolean_form_are_accepted(cli, scripted_server
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 1 and server.stats()["requests"] == 1
 
 
+def test_fire_gets_every_value_as_the_flags_parser_read_it(cli, scripted_server):
+    """Fire calls main with the checked values: a name of digits stays a name, a string that looks
+    like a list stays a string, infinity stays a number."""
+    server = scripted_server({"default": [think()]})
+    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    done = cli.run(*cli.args(server, run_name="007"), "--ephemeral_system_prompt=[1, 2]", "--prompt_timeout=inf")
+    assert done.returncode == 0, done.stderr
+    assert (cli.cwd / "data" / "007" / "trajectories.jsonl").exists()
+    assert server.requests()[0]["body"]["messages"][0]["content"].endswith("[1, 2]")
+
+
 def test_list_distributions_prints_all(cli):
     done = cli.run("--list_distributions")
     assert done.returncode == 0, done.stderr
