@@ -59,8 +59,9 @@ class RunOptions:
     overwrite: bool = flag(False, "Delete an existing run directory of that name and start again.")
     force: bool = flag(False, "With --resume, accept a changed model, distribution or sampling settings.")
     list_distributions: bool = flag(False, "Print the toolset distributions and exit.")
-    export: str | None = flag(None, "Export a finished run (--run_name) as sharegpt, openai (messages JSONL) or parquet, and exit.")
+    export: str | None = flag(None, "Export a finished run (--run_name) for a trainer, and exit: hf (TRL, axolotl), sharegpt (LLaMA-Factory), openai (OpenAI fine-tuning), hermes (the seed's Hermes text) or parquet (hf records); see docs/exports.md.")
     export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).")
+    export_partial: bool = flag(False, "With --export: include partial rows (ended by the forced final-answer call), left out by default.")
     view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.")
     report: bool = flag(False, "Write a self-contained report.html of a run (--run_name) into its directory, and exit.")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0)
@@ -231,6 +232,8 @@ def check(opts: RunOptions) -> None:
             raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
     if opts.export_outcome and not opts.export:
         raise UsageError("--export_outcome selects rows for --export; pass --export too")
+    if opts.export_partial and not opts.export:
+        raise UsageError("--export_partial selects rows for --export; pass --export too")
     if opts.backend not in BACKENDS:
         raise UsageError(f"--terminal_backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
     if opts.provider_sort not in (None, "price", "throughput", "latency"):
