@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -74,15 +75,15 @@ def _rows(run_dir: Path) -> Iterator[dict]:
         yield row
 
 
-def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: bool, left_out: list[int]) -> Iterator[dict]:
-    """The records of the rows chosen; `left_out` counts the partial rows skipped."""
+def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: bool, left_out: Counter) -> Iterator[dict]:
+    """The records of the rows chosen; `left_out["partial"]` counts the partial rows skipped."""
     manifest = store.read_json(run_dir / "manifest.json")
     convention = hf if fmt == "parquet" else CONVENTIONS[fmt]
     for row in _rows(run_dir):
         if selected is not None and verify.status(row) not in selected:
             continue
         if row["partial"] and not partial:
-            left_out[0] += 1
+            left_out["partial"] += 1
             continue
         yield {**convention.record(row), "completed": row["completed"], "partial": row["partial"],
                **outcome(row), "provenance": provenance(row, manifest)}
@@ -96,7 +97,7 @@ def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None, part
     target = run_dir / CONVENTIONS[fmt].FILE
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{target.name}.")
     os.close(fd)
-    left_out = [0]
+    left_out: Counter = Counter()
     try:
         records = _records(run_dir, fmt, selected, partial, left_out)
         count = parquet.write(tmp, records) if fmt == "parquet" else _write_jsonl(tmp, records)
@@ -104,7 +105,7 @@ def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None, part
     except BaseException:
         os.unlink(tmp)
         raise
-    return Exported(target, count, left_out[0])
+    return Exported(target, count, left_out["partial"])
 
 
 def _write_jsonl(tmp: str, records: Iterable[dict]) -> int:
