@@ -108,11 +108,11 @@ def train_trl(model: Path, data: Path, steps: int, out: Path) -> dict:
     trainer.train()
     first = trainer.train_dataset[0]
     tokens = first["input_ids"]
-    masked = "".join(trainer.processing_class.decode([t]) for t, m in zip(tokens, first["assistant_masks"]) if m)
+    masked = "".join(trainer.processing_class.decode([t]) for t in first["labels"] if t != -100)  # the loss's tokens
     return {"losses": [round(e["loss"], 4) for e in trainer.state.log_history if "loss" in e],
             "seconds": round(time.monotonic() - started, 1), "rows": len(dataset),
             "tokens": [len(r["input_ids"]) for r in trainer.train_dataset],
-            "example": trainer.processing_class.decode(tokens), "assistant_tokens": sum(first["assistant_masks"]),
+            "example": trainer.processing_class.decode(tokens), "assistant_tokens": sum(t != -100 for t in first["labels"]),
             "assistant_text": masked}
 
 
