@@ -166,8 +166,8 @@ def report(results: dict) -> None:
         f"`template: qwen`, `cutoff_len: 4096`, full fine-tuning | {results['rows'] - lf['skipped']} of {results['rows']} "
         f"({lf['skipped']} skipped) | {' '.join(map(str, lf['losses']))} | {lf['seconds']} s |",
         "",
-        f"The first TRL example as rendered and tokenized ({trl['assistant_tokens']} of its {len(trl['example'])} characters' "
-        "tokens in the assistant-only loss mask):",
+        f"The first TRL example as rendered and tokenized ({trl['assistant_tokens']} of its tokens in the assistant-only "
+        "loss mask):",
         "", "```", trl["example"], "```", "",
         "The text under the assistant-only mask:", "", "```", trl["assistant_text"], "```", "",
         "The first LLaMA-Factory example as it prints it:", "", "```", lf["example"], "```",
