@@ -7,7 +7,8 @@ import pytest
 
 import model_tools
 from tests.conftest import arun
-from trajgen import agent, errors, export
+from trajgen import agent, errors
+from trajgen.conventions import openai
 from trajgen.model import Reply, ScriptedModel, tool_call
 from trajgen.outcome import Status, decide
 from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
@@ -66,7 +67,7 @@ def test_tools_run_in_the_sandbox_and_the_row_keeps_what_was_sent(ctx):
     assert row["tool_stats"]["write_file"] == row["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
     assert decide(TASK, row=row).status is Status.OK
     # the exact parts: the export replays the last request (minus what is never written) and the reply
-    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in export.to_openai(row)]
+    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in openai.messages(row)]
     assert messages[:-1] == [{"role": "system", "content": "SYSTEM"}, *sent[2:]]
     assert messages[-1] == {"role": "assistant", "content": "<think>done</think>It says hi."}
     assert row["tools"] == model.requests[1]["tools"] and row["conversations"][2]["reasoning"] == "write it"

@@ -10,7 +10,7 @@ def test_export_of_a_missing_run_is_a_usage_error(cli):
     done = cli.run("--export=openai", "--run_name=nothing")
     assert done.returncode == 2 and "no finished run" in done.stderr
     bad = cli.run("--export=csv", "--run_name=nothing")
-    assert bad.returncode == 2 and "sharegpt, openai, parquet" in bad.stderr
+    assert bad.returncode == 2 and "hf, openai, sharegpt, hermes, parquet" in bad.stderr
 
 
 def test_dry_run_sends_one_tiny_request_and_writes_nothing(cli, scripted_server):

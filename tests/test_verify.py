@@ -113,8 +113,9 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
     # exports select by verdict and carry a reward
     assert cli.run(*args, "--export=parquet", "--export_outcome=passed,failed").returncode == 0
     table = pq.read_table(run_dir / "export.parquet").to_pylist()
-    assert Counter((r["verify_status"], r["reward"]) for r in table) == {("passed", 1.0): 7, ("failed", 0.0): 5}
-    assert {r["group_id"] for r in table if r["sample_index"] == 0} == {r["group_id"] for r in table}
+    assert Counter((r["verify"]["status"], r["reward"]) for r in table) == {("passed", 1.0): 7, ("failed", 0.0): 5}
+    origins = [r["provenance"] for r in table]
+    assert {o["group_id"] for o in origins if o["sample_index"] == 0} == {o["group_id"] for o in origins}
     assert cli.run(*args, "--export=openai").returncode == 0
     records = read_jsonl(run_dir / "export_openai.jsonl")
     assert Counter((r["verify"]["status"], r["reward"]) for r in records) == {

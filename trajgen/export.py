@@ -1,36 +1,41 @@
-"""Exports of a finished run for the training frameworks, streamed from trajectories.jsonl.
+"""--export: a finished run's rows as one trainer convention (trajgen/conventions/), streamed from
+trajectories.jsonl into a file beside it, written atomically.
 
-Every export is built from the structured parts each row keeps (`message`, `reasoning`,
-`tools`), never by parsing a rendered `value` back.
-
-- sharegpt: the rows, the system turn in the Hermes form with the `<tools>` list, `tools` as a
-  field, and a `provenance` object.
-- openai: `messages` exactly as the model received them plus its last reply, and `tools`: what
-  TRL's SFT trainer takes.
-- parquet: one row per trajectory; conversations as a list of {from, value}; messages, tools,
-  settings and metadata as JSON text so the schema never depends on which tools a model called.
-
-Every record carries its verify outcome and a `reward` (trajgen/verify.py REWARD: 1 passed, 0
-failed or timed out, null when nothing was judged: an error of the check, or no check), and
-`outcomes` selects the rows to export by verdict.
+Every record carries `completed` and `partial`, its verify outcome and a `reward`
+(trajgen/verify.py REWARD: 1 passed, 0 failed or timed out, null when nothing was judged), and
+`provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
+final-answer call) are left out unless `--export_partial`. After writing, the export says which
+trainer takes the file and how, and what in the run directory makes it incomplete or stale.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import jsonlines
 import orjson
 
 from trajgen import store, verify
+from trajgen.conventions import hermes, hf, openai, parquet, sharegpt
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
-from trajgen.trajectory import FORMAT_VERSION, hermes_system
+from trajgen.trajectory import FORMAT_VERSION
 
-FORMATS = ("sharegpt", "openai", "parquet")
+CONVENTIONS = {"hf": hf, "openai": openai, "sharegpt": sharegpt, "hermes": hermes, "parquet": parquet}
+FORMATS = tuple(CONVENTIONS)
 VERDICTS = tuple(v.value for v in verify.Verdict)
+TRAJECTORIES = "trajectories.jsonl"
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    rows: int
+    partial_left_out: int
 
 
 def outcomes(flag) -> frozenset[str] | None:
@@ -60,114 +65,87 @@ def provenance(row: dict, manifest: dict) -> dict:
     }
 
 
-def to_openai(row: dict) -> list[dict]:
-    """The messages of the last request, as sent, then the last reply; each assistant message
-    also has the reasoning the model produced with it as `reasoning_content` (never sent back)."""
-    return [{**turn["message"], "reasoning_content": turn["reasoning"]} if turn.get("reasoning") else turn["message"]
-            for turn in row["conversations"]]
-
-
-def to_sharegpt(row: dict) -> dict:
-    """The row with its system turn in the Hermes form: the `<tools>` list makes the text self-contained."""
-    turns = row["conversations"]
-    if not row["tools"]:  # nothing was offered, so the requests listed nothing
-        return row
-    system = turns[0]["value"] if turns[0]["from"] == "system" else ""
-    head = {"from": "system", "value": hermes_system(system, row["tools"])}
-    return {**row, "conversations": [head, *turns[1 if system else 0:]]}
-
-
-def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None) -> Iterator[dict]:
-    manifest = store.read_json(run_dir / "manifest.json")
+def _rows(run_dir: Path) -> Iterator[dict]:
     torn: list[str] = []
-    for row in store.read_records(run_dir / "trajectories.jsonl", torn):
+    for row in store.read_records(run_dir / TRAJECTORIES, torn):
         version = row["metadata"].get("format_version")
         if version != FORMAT_VERSION:
-            raise UsageError(f"{run_dir}/trajectories.jsonl: prompt {row['prompt_index']} has row format {version}, "
+            raise UsageError(f"{run_dir}/{TRAJECTORIES}: prompt {row['prompt_index']} has row format {version}, "
                              f"exports need {FORMAT_VERSION} (run it again with a new --run_name)")
+        yield row
+
+
+def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: bool, left_out: Counter) -> Iterator[dict]:
+    """The records of the rows chosen; `left_out["partial"]` counts the partial rows skipped."""
+    manifest = store.read_json(run_dir / "manifest.json")
+    convention = hf if fmt == "parquet" else CONVENTIONS[fmt]
+    for row in _rows(run_dir):
         if selected is not None and verify.status(row) not in selected:
             continue
-        origin, result = provenance(row, manifest), outcome(row)
-        if fmt == "sharegpt":
-            yield {**to_sharegpt(row), **result, "provenance": origin}
-        elif fmt == "openai":
-            yield {"messages": to_openai(row), "tools": row["tools"], **result, "provenance": origin}
-        else:
-            yield {
-                "conversations": [{"from": t["from"], "value": t["value"]} for t in row["conversations"]],
-                "tool_calls": orjson.dumps([t.get("tool_calls") for t in row["conversations"]]).decode(),
-                "messages": orjson.dumps(to_openai(row)).decode(), "tools": orjson.dumps(row["tools"]).decode(),
-                "completed": row["completed"], "api_calls": row["api_calls"],
-                **{k: v for k, v in origin.items() if k not in ("settings", "request", "dataset")},
-                "settings": orjson.dumps(origin["settings"]).decode(),
-                "metadata": orjson.dumps(row["metadata"]).decode(),
-                "verify_status": result["verify"]["status"], "reward": result["reward"],
-                "verify": orjson.dumps(result["verify"]).decode(),
-            }
+        if row["partial"] and not partial:
+            left_out["partial"] += 1
+            continue
+        yield {**convention.record(row), "completed": row["completed"], "partial": row["partial"],
+               **outcome(row), "provenance": provenance(row, manifest)}
 
 
-def target(run_dir: Path, fmt: str) -> Path:
-    return run_dir / ("export.parquet" if fmt == "parquet" else f"export_{fmt}.jsonl")
-
-
-def stale(run_dir: Path) -> list[Path]:
-    """The exports written before trajectories.jsonl last changed (a merge after a resume)."""
-    try:
-        merged = (run_dir / "trajectories.jsonl").stat().st_mtime_ns
-    except FileNotFoundError:
-        return []
-    return [path for fmt in FORMATS if (path := target(run_dir, fmt)).exists() and path.stat().st_mtime_ns < merged]
-
-
-def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None) -> tuple[Path, int]:
-    """Write `export_<fmt>.jsonl` (or `export.parquet`) beside the run's files, atomically;
-    `selected`: only rows with these verdicts."""
-    if not (run_dir / "trajectories.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir}/trajectories.jsonl: no finished run to export")
-    path = target(run_dir, fmt)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{path.name}.")
+def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None, partial: bool = False) -> Exported:
+    """Write the format's file beside the run's files, atomically; `selected`: only rows with these
+    verdicts; `partial`: partial rows too."""
+    if not (run_dir / TRAJECTORIES).exists():
+        raise FileNotFoundError(f"{run_dir}/{TRAJECTORIES}: no finished run to export")
+    target = run_dir / CONVENTIONS[fmt].FILE
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{target.name}.")
     os.close(fd)
+    left_out: Counter = Counter()
     try:
-        count = _write_parquet(run_dir, tmp, selected) if fmt == "parquet" else _write_jsonl(run_dir, fmt, tmp, selected)
-        os.replace(tmp, path)
+        records = _records(run_dir, fmt, selected, partial, left_out)
+        count = parquet.write(tmp, records) if fmt == "parquet" else _write_jsonl(tmp, records)
+        os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)
         raise
-    return path, count
+    return Exported(target, count, left_out["partial"])
 
 
-def _write_jsonl(run_dir: Path, fmt: str, tmp: str, selected: frozenset[str] | None) -> int:
+def _write_jsonl(tmp: str, records: Iterable[dict]) -> int:
     count = 0
     with jsonlines.open(tmp, mode="w", dumps=lambda record: orjson.dumps(record).decode()) as out:
-        for record in _records(run_dir, fmt, selected):
+        for record in records:
             out.write(record)
             count += 1
     return count
 
 
-def _write_parquet(run_dir: Path, tmp: str, selected: frozenset[str] | None, chunk: int = 1000) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def next_steps(exported: Exported, fmt: str) -> list[str]:
+    """Which trainer takes the file, and the lines that load it."""
+    return CONVENTIONS[fmt].next_steps(str(exported.path.resolve()))
 
-    schema = pa.schema([
-        ("conversations", pa.list_(pa.struct([("from", pa.string()), ("value", pa.string())]))),
-        ("tool_calls", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("completed", pa.bool_()), ("api_calls", pa.int64()),
-        ("run_name", pa.string()), ("model", pa.string()), ("prompt_key", pa.string()), ("dataset_id", pa.string()),
-        ("prompt_index", pa.int64()), ("group_id", pa.string()), ("sample_index", pa.int64()), ("toolsets_sampled", pa.list_(pa.string())),
-        ("toolsets_offered", pa.list_(pa.string())), ("settings", pa.string()), ("metadata", pa.string()),
-        ("verify_status", pa.string()), ("reward", pa.float64()), ("verify", pa.string()),
-    ])
-    count = 0
-    with pq.ParquetWriter(tmp, schema) as writer:
-        batch: list[dict] = []
-        for record in _records(run_dir, "parquet", selected):
-            if record["dataset_id"] is not None:
-                record["dataset_id"] = str(record["dataset_id"])
-            batch.append(record)
-            if len(batch) == chunk:
-                writer.write_table(pa.Table.from_pylist(batch, schema))
-                count, batch = count + len(batch), []
-        if batch:
-            writer.write_table(pa.Table.from_pylist(batch, schema))
-            count += len(batch)
-    return count
+
+def warnings(run_dir: Path, exported: Exported) -> list[str]:
+    """What makes the export less than the run could give: rows left out, prompts failed or not yet
+    run (statistics.json, as the last run's merge counted them), other exports older than the rows."""
+    lines = []
+    if exported.partial_left_out:
+        lines.append(f"{exported.partial_left_out} partial row(s) left out (ended by the forced final-answer call): "
+                     "--export_partial includes them")
+    try:
+        stats = store.read_json(run_dir / "statistics.json")
+    except (FileNotFoundError, UsageError):
+        stats = {}
+    failed, pending = (stats.get("failed") or {}).get("total", 0), stats.get("remaining_not_run", 0)
+    if failed or pending:
+        lines.append(f"the run has {failed} failed and {pending} not yet run prompt(s): --resume runs them, then export again")
+    lines += [f"{other.name} is older than {TRAJECTORIES}: export it again"
+              for other in stale(run_dir) if other != exported.path]
+    return lines
+
+
+def stale(run_dir: Path) -> list[Path]:
+    """The exports written before trajectories.jsonl last changed (a merge after a resume)."""
+    try:
+        merged = (run_dir / TRAJECTORIES).stat().st_mtime_ns
+    except FileNotFoundError:
+        return []
+    return [path for convention in CONVENTIONS.values()
+            if (path := run_dir / convention.FILE).exists() and path.stat().st_mtime_ns < merged]

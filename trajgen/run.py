@@ -137,8 +137,11 @@ def run_export(opts: RunOptions) -> int:
     if not (run_dir / "trajectories.jsonl").exists() or not (run_dir / "manifest.json").exists():
         raise UsageError(f"{run_dir}: no finished run to export (trajectories.jsonl and manifest.json are needed)")
     store.lock_run_dir(run_dir)
-    target, count = export.export(run_dir, opts.export, export.outcomes(opts.export_outcome))
-    console.out.print(f"wrote {count} rows to {target}")
+    exported = export.export(run_dir, opts.export, export.outcomes(opts.export_outcome), opts.export_partial)
+    console.out.print(f"wrote {exported.rows} rows to {exported.path}")
+    for line in export.warnings(run_dir, exported):
+        console.notice(line)
+    console.out.print("\n".join(export.next_steps(exported, opts.export)), markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

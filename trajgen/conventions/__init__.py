@@ -1,0 +1,9 @@
+"""One module per trainer convention an export follows: each builds its part of a record from a
+trajectory row's structured parts (`message`, `reasoning`, `tools`), never from a rendered `value`.
+
+- openai: the OpenAI fine-tuning API's chat format (tool-call arguments as JSON text).
+- hf: the Hugging Face chat-template convention TRL and axolotl read (arguments as objects).
+- sharegpt: LLaMA-Factory's sharegpt convention with its default tags and a `tools` column.
+- hermes: the seed's row format (Hermes text: a `<tools>` system turn, `<tool_call>` in gpt turns).
+- parquet: the hf records with native nested columns.
+"""
