@@ -128,7 +128,7 @@ def _on_sigterm(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl
 
 
 class Server:
-    """`python -m trajgen.scripted_server` as a separate process; its CPU time is read from /proc."""
+    """`python -m tests.support.scripted_server` as a separate process; its CPU time is read from /proc."""
 
     def __init__(self, script: dict, latency: float, name: str):
         OUT.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ class Server:
     def start(self) -> None:
         latency = self.latency
         self.proc = CHILDREN.start(
-            [sys.executable, "-m", "trajgen.scripted_server", "--script", str(self.script_path), "--latency", str(latency)],
+            [sys.executable, "-m", "tests.support.scripted_server", "--script", str(self.script_path), "--latency", str(latency)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=_env(),
         )
         line = _readline_with_timeout(self.proc, 30)

@@ -54,7 +54,7 @@ REPLY = {"content": "The answer is 42.", "reasoning": "I ran the command and rea
 def start_server(script: dict) -> tuple[subprocess.Popen, str]:
     path = Path(tempfile.mkdtemp()) / "script.json"
     path.write_text(json.dumps(script))
-    proc = subprocess.Popen([sys.executable, "-m", "trajgen.scripted_server", "--script", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.scripted_server", "--script", str(path)], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = proc.stdout.readline()
     assert line.startswith("READY "), line

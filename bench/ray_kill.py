@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ray_scale import in_loopback_namespace  # noqa: E402
-from trajgen.scripted_server import start_server  # noqa: E402
+from tests.support.scripted_server import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"

@@ -61,7 +61,8 @@ def bench(prompts: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     from ray.cluster_utils import Cluster
 
-    from trajgen.scripted_server import start_server
+    sys.path.insert(0, str(ROOT))
+    from tests.support.scripted_server import start_server
 
     work = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))  # short: Ray's socket paths live under it
     os.environ["RAY_TMPDIR"] = str(work)

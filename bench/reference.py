@@ -232,7 +232,7 @@ def report(ours: list[Run], ref: list[Run], installs: list[int], n: int, load: t
     lines += [
         f"`python bench/reference.py --prompts={n} --repeats={len(ours)} --reference-repeats={len(ref)}` ({date}, "
         f"runner at {git_head()}; {harness.MACHINE}, shared: load average {load[0]:.1f} at the start, {load[1]:.1f} at "
-        f"the end). Both against one `python -m trajgen.scripted_server --latency {LATENCY}` on 127.0.0.1, inside a "
+        f"the end). Both against one `python -m tests.support.scripted_server --latency {LATENCY}` on 127.0.0.1, inside a "
         "loopback-only network namespace: 2 API calls per prompt, the first asking for one `terminal` call (`echo hi`; "
         "ours runs it in the prompt's bubblewrap sandbox, the reference's local backend runs it on the host), every "
         "reply with a `reasoning` field (the reference drops rows without one). Wall time is the CLI process from start "

@@ -422,7 +422,7 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
         "The CLI runs as `python batch_runner.py --dataset_file=... --run_name=... --output_dir=bench/out/runs "
         "--base_url=<scripted server> --api_key=dummy --model=bench --require_reasoning=False "
         "--distribution=terminal_only --num_workers=W --concurrency=C` against "
-        "`python -m trajgen.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
+        "`python -m tests.support.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
         "",
         "| section | configuration | measured (median) | target | pass/fail | details |",
         "|---|---|---|---|---|---|",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from trajgen.scripted_server import start_server  # noqa: E402
+from tests.support.scripted_server import start_server  # noqa: E402
 
 PROGRAM = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\nprint([fib(i) for i in range(20)])\n"
 SCRIPT = {"default": [

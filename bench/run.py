@@ -2,7 +2,7 @@
 """Benchmark of `python batch_runner.py`: throughput against the latency limit, overhead, scale.
 
 Everything is driven from the outside, as a user would: the real CLI as a subprocess against the
-loopback scripted server (`python -m trajgen.scripted_server`) as a separate process, on 127.0.0.1.
+loopback scripted server (`python -m tests.support.scripted_server`) as a separate process, on 127.0.0.1.
 
     python bench/run.py                                  # throughput, overhead, scale; full sizes (~35 min)
     python bench/run.py --quick                          # small N, one repeat: a smoke run

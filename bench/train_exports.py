@@ -59,7 +59,7 @@ def script() -> dict:
 
 def make_run(work: Path) -> Path:
     """The run and its hf and sharegpt exports; the run directory."""
-    from trajgen.scripted_server import start_server
+    from tests.support.scripted_server import start_server
 
     server = start_server(script())
     try:

@@ -1,6 +1,6 @@
 """Shared test helpers: run the real CLI as a subprocess against the loopback scripted server.
 
-Nothing here is mocked: the model is `trajgen/scripted_server.py` on 127.0.0.1, the sandboxes
+Nothing here is mocked: the model is `tests/support/scripted_server.py` on 127.0.0.1, the sandboxes
 are real. Every run's output and HOME live under the test's tmp_path.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trajgen.scripted_server import scripted_server  # noqa: F401  (fixture)
+from tests.support.scripted_server import scripted_server  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET_ENV = ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")

@@ -14,7 +14,7 @@ from tests.conftest import CLI, call, kill_group, read_jsonl, think, write_jsonl
 from trajgen import compare, dataset, run
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions
-from trajgen.scripted_server import start_server
+from tests.support.scripted_server import start_server
 
 ANSWER_IS_42 = 'test "$(cat .trajgen/final_answer.txt)" = 42'
 HOSTILE = ' <img src=x onerror="window.pwned = 1"> <script>window.pwned = 2</script>'

@@ -49,7 +49,7 @@ LLAMA_FACTORY_TAGS = ({"human", "observation"}, {"gpt", "function_call"})  # odd
 def run(tmp_path_factory):
     """The run and its exports (partial rows included), made once for the module's tests."""
     from tests.conftest import CLI
-    from trajgen.scripted_server import start_server
+    from tests.support.scripted_server import start_server
 
     tmp = tmp_path_factory.mktemp("rows")
     cli = CLI(tmp)

@@ -27,7 +27,7 @@ import pytest
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.test_browser_tools import LAUNCH_PROBLEM, LOOPBACK_ONLY
 from tests.test_web_tools import local_site  # noqa: F401  (fixture)
-from trajgen.scripted_server import start_server
+from tests.support.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
 from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox

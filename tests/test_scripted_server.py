@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from trajgen.scripted_server import ServerHandle, scripted_server  # noqa: F401 (fixture)
+from tests.support.scripted_server import ServerHandle, scripted_server  # noqa: F401 (fixture)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOOLS = [
@@ -347,7 +347,7 @@ def test_subprocess_mode_prints_ready_and_serves(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"prompts": {"hello": [{"content": "from subprocess"}]}}))
     log = tmp_path / "log.jsonl"
-    command = [sys.executable, "-m", "trajgen.scripted_server", "--script", str(script),
+    command = [sys.executable, "-m", "tests.support.scripted_server", "--script", str(script),
                "--log", str(log), "--port", "0", "--latency", "0.05"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     with subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,

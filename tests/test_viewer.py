@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.conftest import CLI, call, read_jsonl, think, write_jsonl
-from trajgen.scripted_server import start_server
+from tests.support.scripted_server import start_server
 from trajgen.viewer.index import RunIndex
 from trajgen.viewer.summary import summarize
 

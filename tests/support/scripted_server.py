@@ -107,7 +107,7 @@ In process: ``handle = start_server(script, log_path=None, port=0)`` then
 ``handle.requests()``, ``handle.stats()``, ``handle.stop()``. In pytest, import the
 ``scripted_server`` fixture: ``factory(script, log_path=None) -> ServerHandle``.
 
-As a process: ``python -m trajgen.scripted_server --script FILE.json [--log FILE]
+As a process: ``python -m tests.support.scripted_server --script FILE.json [--log FILE]
 [--port 0] [--latency 0.25]`` prints ``READY http://127.0.0.1:PORT/v1`` once it
 listens and serves until SIGTERM/SIGINT. ``--latency`` overrides the file's value
 (a script later posted to ``/_script`` brings its own latency).
