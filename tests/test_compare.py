@@ -231,7 +231,8 @@ def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli):
     assert found["pairs"][0]["outcome"] == "completed" and found["pairs"][0]["both"] == 16
 
 
-def test_ctrl_c_stops_a_models_run_and_starts_no_other_model(cli):
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_a_models_run_and_starts_no_other_model(cli, sig, status):
     server = start_server({"models": {"first": {"default": [{**think("42"), "delay": 0.3}]}}, "default": [think("42")]})
     try:
         write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
@@ -240,12 +241,12 @@ def test_ctrl_c_stops_a_models_run_and_starts_no_other_model(cli):
         while not (cli.run_dir("eval") / "first").is_dir() or len(_rows(cli.run_dir("eval") / "first")) < 2:
             assert time.monotonic() < deadline and process.poll() is None, "the first model never got going"
             time.sleep(0.05)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sig)
         _, stderr = process.communicate(timeout=60)
         asked = {r["body"]["model"] for r in server.requests()}
     finally:
         server.stop()
-    assert process.returncode == 130, stderr
+    assert process.returncode == status, stderr
     assert "not started: second" in stderr and "--models=first,second" in stderr and "--resume" in stderr
     assert asked == {"first"} and not (cli.run_dir("eval") / "second").exists()
 

@@ -18,7 +18,7 @@ from trajgen.scheduler import paid
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions, as_list, check as check_options
 
-INTERRUPTED, BUDGET = 130, 3
+STOPPED, BUDGET = (130, 143), 3  # a signal (SIGINT or SIGHUP, SIGTERM); a spend limit
 DEFAULT_MODEL = next(f.default for f in fields(RunOptions) if f.name == "model")
 
 
@@ -61,10 +61,12 @@ def run(opts: RunOptions) -> int:
             after = spent(parent / name)
             cost_left = None if cost_left is None else cost_left - (after[0] - before[0])
             tokens_left = None if tokens_left is None else tokens_left - (after[1] - before[1])
-        if code == INTERRUPTED:
+        if code in STOPPED or code == BUDGET:  # a spend limit reached cancels what was in flight: the rest waits
             if models[i + 1:]:
                 console.notice(f"not started: {', '.join(models[i + 1:])}")
-            return code
+            if code in STOPPED:
+                return code
+            break
     done = [parent / n for n in names if (parent / n / "manifest.json").exists()]
     if len(done) >= 2 and not opts.dry_run:
         console.out.rule("comparison")
