@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import ROOT, in_terminal
 from trajgen import options, tool_check, usage
+from trajgen.sandbox import apptainer
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
 from trajgen.options import RunOptions
 from trajgen.registry import REGISTRY
@@ -70,7 +71,11 @@ def test_list_tools_honours_the_backend_and_private_urls(monkeypatch):
     assert "terminal unavailable: its sandbox cannot run" in text and "apt-get install bubblewrap" in text
     assert "terminal available" in " ".join(tool_check.listing(RunOptions(unsafe_local=True)).split())
     monkeypatch.setenv("PATH", "/nonexistent")
-    text = " ".join(tool_check.listing(RunOptions(terminal_backend="apptainer")).split())
+    apptainer.runtime.cache_clear()  # asked once per process; found again with the real PATH after this test
+    try:
+        text = " ".join(tool_check.listing(RunOptions(terminal_backend="apptainer")).split())
+    finally:
+        apptainer.runtime.cache_clear()
     assert "read_file unavailable" in text and "neither apptainer nor singularity is on PATH" in text
     assert "any address: --allow_private_urls" in tool_check.listing(RunOptions(allow_private_urls=True))
     assert "public addresses only" in tool_check.listing(RunOptions())

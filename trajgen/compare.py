@@ -105,15 +105,7 @@ def load(path: Path) -> Run:
         groups.setdefault(found.group, []).append(found)
     for samples in groups.values():
         samples.sort(key=lambda s: int(s.key.partition("~")[2] or 0))  # sample 0 first
-    return Run(path, _read(path / "manifest.json"), _read(path / merge.STATISTICS), groups, index)
-
-
-def _read(path: Path) -> dict:
-    try:
-        found = store.read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+    return Run(path, store.read_json_or_empty(path / "manifest.json"), store.read_json_or_empty(path / merge.STATISTICS), groups, index)
 
 
 def _sample(entry: Entry, record: dict) -> Sample:

@@ -110,6 +110,15 @@ def read_json(path: Path):
     return obj
 
 
+
+def read_json_or_empty(path: Path) -> dict:
+    """The JSON object in `path`, or {} when it is missing or unreadable: for readers that show what
+    a run has, and must not stop on a file a crash left half-written."""
+    try:
+        return read_json(path)
+    except (OSError, UnreadableFile):
+        return {}
+
 def read_checkpoint(run_dir: Path) -> dict:
     """The checkpoint, or {} when there is none or it is unreadable (scan names that at the start)."""
     try:

@@ -29,18 +29,10 @@ class Summary:
     toolsets: dict[str, tuple[int, int]]  # toolset -> (prompts that sampled it, prompts offered it)
 
 
-def _read(path: Path) -> dict:
-    try:
-        found = store.read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
 def read_filtering(run_dir: Path, index: RunIndex) -> Filtering:
     """The run's filters, from what statistics.json reports: no filtered row although rows called tools
     that were not offered (--keep_hallucinated), rows filtered for their verdict (--require_verified)."""
-    saved = _read(run_dir / "statistics.json")
+    saved = store.read_json_or_empty(run_dir / "statistics.json")
     hallucinated = any(h and tally.rows for (h, _), tally in index.tallies.rows.items())
     return Filtering(keep_hallucinated=saved.get("filtered_hallucinated") == 0 and hallucinated,
                      require_verified=bool(saved.get("filtered_not_passed")))
@@ -58,7 +50,7 @@ def histogram(values: list[int], bins: int = HISTOGRAM_BINS) -> list[tuple[int, 
 
 def summarize(index: RunIndex) -> Summary:
     run_dir = index.run_dir
-    saved = _read(run_dir / "statistics.json")
+    saved = store.read_json_or_empty(run_dir / "statistics.json")
     filters = read_filtering(run_dir, index)
     t = index.tallies
     entries = index.entries
@@ -117,11 +109,11 @@ _HEADER = ("run_name", "model", "distribution", "total_prompts", "samples_per_pr
 
 
 def _live_header(run_dir: Path, counted: dict) -> dict:
-    manifest = _read(run_dir / "manifest.json")
+    manifest = store.read_json_or_empty(run_dir / "manifest.json")
     dataset = manifest.get("dataset") if isinstance(manifest.get("dataset"), dict) else {}
     done = counted["ok"] + counted["discarded"]["total"] + counted["failed"]["total"]
     total = dataset.get("prompts") if isinstance(dataset.get("prompts"), int) else done
-    seconds = _read(run_dir / "checkpoint.json").get("duration_seconds_total") or 0.0
+    seconds = store.read_json_or_empty(run_dir / "checkpoint.json").get("duration_seconds_total") or 0.0
     return {
         "run_name": manifest.get("run_name", run_dir.name), "model": manifest.get("model", "unknown"),
         "distribution": manifest.get("distribution"), "total_prompts": total,
