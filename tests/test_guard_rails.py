@@ -59,6 +59,7 @@ def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them
     assert "--max_cost=0.5 reached" in done.stderr
     assert server.stats()["stream_events"] < 1000  # the long generation was cut, not waited for
     assert [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")] == ["cheap"]
+    server.set_script({"default": [{"content": "x", "reasoning": "r"}]})  # the resume need not wait 20 s again
     resumed = cli.run(*cli.args(server, num_workers=1, concurrency=2, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")) == [
