@@ -260,14 +260,7 @@ class Completion:
 
 def parse_completion(body: bytes | bytearray) -> Completion:
     """The completion in a 200 body, or the error it carries instead."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise MalformedResponse(f"the reply is not JSON: {bytes(body[:200])!r}") from None
-    if not isinstance(data, dict):
-        raise MalformedResponse(f"the reply is not a JSON object: {bytes(body[:200])!r}")
-    if isinstance(error := data.get("error"), dict):
-        raise stream.provider_error(error)
+    data = stream.json_object(body, "the reply")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
         raise MalformedResponse("the reply has no choices" if choices is None else f"the reply has choices: {choices!r}"[:2000])

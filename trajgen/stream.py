@@ -64,14 +64,7 @@ class Assembly:
         if data == b"[DONE]":
             self.done = True
             return False
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise MalformedResponse(f"a streamed chunk is not JSON: {data[:200]!r}") from None
-        if not isinstance(chunk, dict):
-            raise MalformedResponse(f"a streamed chunk is not a JSON object: {data[:200]!r}")
-        if isinstance(error := chunk.get("error"), dict):
-            raise provider_error(error)
+        chunk = json_object(data, "a streamed chunk")
         self.model = chunk.get("model", self.model)
         self.provider = chunk.get("provider", self.provider)
         if chunk.get("usage") is not None:
@@ -127,6 +120,20 @@ class Assembly:
         if self.calls:
             message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
         return {k: v for k, v in message.items() if v is not None}
+
+
+def json_object(data: bytes | bytearray, what: str) -> dict:
+    """`data` as a JSON object, or MalformedResponse naming `what`; an error object instead of an
+    answer raises as the error it names."""
+    try:
+        found = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise MalformedResponse(f"{what} is not JSON: {bytes(data[:200])!r}") from None
+    if not isinstance(found, dict):
+        raise MalformedResponse(f"{what} is not a JSON object: {bytes(data[:200])!r}")
+    if isinstance(error := found.get("error"), dict):
+        raise provider_error(error)
+    return found
 
 
 def provider_error(error: dict) -> ProviderError:
