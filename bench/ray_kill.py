@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ray_scale import in_loopback_namespace  # noqa: E402
+from tests.support.ray_actors import actor_pids  # noqa: E402
 from tests.support.scripted_server import start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,17 +42,6 @@ PROMPTS = 24
 RUN_ROWS = 4
 TURN = {"tool_calls": [{"name": "terminal", "arguments": {"command": "echo hi"}}], "reasoning": "r", "delay": DELAY}
 SCRIPT = {"default": [TURN, TURN, TURN, {"content": "done", "reasoning": "r", "delay": DELAY}]}
-
-
-def actor_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::_RayWorker"):
-                pids.append(int(entry.name))
-        except OSError:
-            pass
-    return sorted(pids)
 
 
 def rows(run_dir: Path) -> int:

@@ -35,6 +35,7 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from tests.support.ray_actors import actor_pids  # noqa: E402
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl  # noqa: E402
 from tests.test_vision_image_tools import PNG  # noqa: E402
 from tests.test_web_tools import fake_api, no_provider_env  # noqa: E402, F401  (fixtures)
@@ -55,18 +56,6 @@ def cli(cli):
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         cli.env.pop(name)
     return cli
-
-
-def actor_pids() -> list[int]:
-    """The processes of the live worker actors (Ray titles them ray::_RayWorker[.method])."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::_RayWorker"):
-                pids.append(int(entry.name))
-        except OSError:
-            pass
-    return sorted(pids)
 
 
 def assert_actors_without_uvloop() -> None:
