@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 
-from trajgen import flags, options
+from trajgen import command_line, options
 from trajgen.errors import DiskFull, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
@@ -58,13 +58,13 @@ def cli(argv: list[str]) -> None:
     printed from RunOptions, with no pager."""
     from trajgen import console
 
-    if flags.wants_help(argv):
+    if command_line.wants_help(argv):
         from trajgen import usage
 
         print(usage.help_text(shlex.join(console.invocation()), SUMMARY))
         return
     try:
-        parsed = flags.parse(argv)
+        parsed = command_line.parse(argv)
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)

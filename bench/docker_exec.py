@@ -26,7 +26,7 @@ from pathlib import Path
 
 MICRO = r"""
 import asyncio, json, os, resource, sys, time
-from trajgen.sandbox.config import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, cleanup, open_sandbox
 
 image, conc, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 engine = [int(p) for p in sys.argv[4].split(",")]

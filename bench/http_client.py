@@ -9,12 +9,12 @@ CPU is this process's own (time.process_time), the scripted server running as an
 127.0.0.1, so its CPU is not counted. Each figure is the median of --repeats runs.
   per call     N=2000 non-streamed calls, 32 at once over a pool of 32 connections, each request
                the body a 3-turn conversation sends, each answer parsed into a Completion:
-               trajgen/transport.py (the client before, from git 35a4771) with llm.parse_completion;
-               llm.Endpoint (aiohttp, the client after) with --stream=False and with the default
+               trajgen/transport.py (the client before, from git 35a4771) with chat_calls.parse_completion;
+               chat_calls.Endpoint (aiohttp, the client after) with --stream=False and with the default
                --stream and a one-chunk reply; httpx 0.28 reading and parsing the same way.
   per chunk    8 streams of a 1,000-token reply sent as 1,000 chunks at once, each chunk written 1 ms
                apart (so that each is read on its own, as a provider's tokens are), assembled by
-               trajgen/stream.py: llm.Endpoint (aiohttp), and httpx reading the same events.
+               trajgen/stream.py: chat_calls.Endpoint (aiohttp), and httpx reading the same events.
   w2000        W(2000) at C=256 without a sandbox, before and after, in alternating pairs.
   memory       the CLI, --num_workers=4 --concurrency=4, 4 prompts, every reply 300 MB: a body of
                declared length, a chunked body, and one event that never ends; peak RSS (VmHWM)
@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trajgen import llm, stream  # noqa: E402
-from trajgen.work import ModelSettings  # noqa: E402
+from trajgen import chat_calls, stream  # noqa: E402
+from trajgen.task import ModelSettings  # noqa: E402
 
 BEFORE = "35a4771"  # the last commit with trajgen/transport.py
 MESSAGES = [{"role": "system", "content": "You are a capable assistant. " * 20},
@@ -98,12 +98,12 @@ def cpu_of(make, n: int, width: int) -> float:
 
 def clients(url: str, width: int, streamed_reply: bool) -> dict:
     settings = ModelSettings(model="m", base_url=url, api_key="k", max_retries=0, stream=streamed_reply)
-    body = llm.request_body(settings, MESSAGES, None)
+    body = chat_calls.request_body(settings, MESSAGES, None)
     chat_url = f"{url}/chat/completions"
     headers = {"Authorization": "Bearer k", "Content-Type": "application/json", "Accept": "application/json"}
 
     async def endpoint():
-        made = llm.Endpoint(settings, width)
+        made = chat_calls.Endpoint(settings, width)
 
         async def one(i):
             await made.call(body)
@@ -122,7 +122,7 @@ def clients(url: str, width: int, streamed_reply: bool) -> dict:
                         for data in reader.feed(piece):
                             assembly.add(data)
                 else:
-                    llm.parse_completion(await response.aread())
+                    chat_calls.parse_completion(await response.aread())
         return one, client.aclose
 
     async def before():
@@ -132,13 +132,13 @@ def clients(url: str, width: int, streamed_reply: bool) -> dict:
         async def one(i):
             async with asyncio.timeout(600):
                 response = await client.post(body, headers)
-            llm.parse_completion(response.body)
+            chat_calls.parse_completion(response.body)
 
         async def close():
             client.close()
         return one, close
 
-    after = {"aiohttp (llm.Endpoint, after)": endpoint, "httpx 0.28 (same reading)": httpx_client}
+    after = {"aiohttp (chat_calls.Endpoint, after)": endpoint, "httpx 0.28 (same reading)": httpx_client}
     return after if streamed_reply else {f"transport.py ({BEFORE}, before)": before, **after}
 
 

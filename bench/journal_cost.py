@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trajgen import journal, store  # noqa: E402
 from trajgen.messages import Replied  # noqa: E402
 from trajgen.model import Reply  # noqa: E402
-from trajgen.work import ModelSettings  # noqa: E402
+from trajgen.task import ModelSettings  # noqa: E402
 
 REPEATS = 7
 SETTINGS = ModelSettings("bench", "http://127.0.0.1:1/v1", "dummy", temperature=0.7, system_prompt="You are helpful. " * 20)

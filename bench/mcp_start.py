@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from trajgen.sandbox import SandboxConfig
-from trajgen.sandbox.config import open_sandbox
+from trajgen.sandbox.backends import open_sandbox
 from trajgen.tools import ToolContext, ToolSettings, mcp
 from trajgen.tools.mcp_config import Server
 

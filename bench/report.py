@@ -133,9 +133,9 @@ def rows_pool(res: dict) -> list[Row]:
                         f"{_fmt(ms)} ms CPU/request", "", "info",
                         f"{runs[0]['total']} requests at latency {LATENCY} s: wall {_fmt(wall, 1)} s for an ideal of "
                         f"{runs[0]['ideal_s']:.0f} s; runs {len(runs)}"
-                        + {"httpx": " (trajgen/llm.py's client before d607319)",
+                        + {"httpx": " (trajgen/chat_calls.py's client before d607319)",
                            "httpx2": " (the openai SDK's default client)",
-                           "aiohttp": " (trajgen/llm.py's client from d607319 until trajgen/transport.py)"}.get(kind, "")))
+                           "aiohttp": " (trajgen/chat_calls.py's client from d607319 until trajgen/transport.py)"}.get(kind, "")))
     return rows
 
 
@@ -257,12 +257,12 @@ KEY_FRAMES = (  # inclusive shares worth a line in the report
     "openai/_base_client.py:AsyncAPIClient.request",
     "openai/_utils/_transform.py:async_transform",
     "trajgen/sandbox/local.py:run_process",
-    "trajgen/sandbox/config.py:open_sandbox",
+    "trajgen/sandbox/backends.py:open_sandbox",
     "trajgen/sandbox/local.py:LocalSandbox.close",
     "trajgen/store.py:atomic_write",
     "trajgen/store.py:Writer.end_batch",
     "batch_runner.py:_execute.<locals>.checkpoint",
-    "trajgen/workers.py:ProcessPool.poll",
+    "trajgen/process_pool.py:ProcessPool.poll",
     "rich/live.py:Live.refresh",
 )
 
@@ -339,9 +339,9 @@ def findings(results: dict) -> list[str]:
         ms = {k: median([r["cpu_ms_per_request"] for r in v]) for k, v in pool["runs"].items()}
         if ms.get("httpx@128"):
             out.append(f"HTTP client alone, one process, CPU per request at 128 / 32 requests in flight: "
-                       f"httpx (trajgen/llm.py before d607319) {_fmt(ms.get('httpx@128'))} / {_fmt(ms.get('httpx@32'))} ms, "
+                       f"httpx (trajgen/chat_calls.py before d607319) {_fmt(ms.get('httpx@128'))} / {_fmt(ms.get('httpx@32'))} ms, "
                        f"httpx2 (the SDK's default) {_fmt(ms.get('httpx2@128'))} / {_fmt(ms.get('httpx2@32'))} ms, "
-                       f"aiohttp (trajgen/llm.py's from d607319 until trajgen/transport.py) {_fmt(ms.get('aiohttp@128'))} / {_fmt(ms.get('aiohttp@32'))} ms.")
+                       f"aiohttp (trajgen/chat_calls.py's from d607319 until trajgen/transport.py) {_fmt(ms.get('aiohttp@128'))} / {_fmt(ms.get('aiohttp@32'))} ms.")
     prof = results.get("profile", {}).get("data", {}).get("summary", {})
     if "worker" in prof:
         w = prof["worker"]

@@ -146,9 +146,9 @@ asyncio.run(main())
 
 def section_pool(args) -> dict:
     """One process, one openai.AsyncOpenAI client, `conns` requests in flight (one worker's share of
-    --concurrency): CPU per request of the openai SDK over the legacy httpx client (what trajgen/llm.py
+    --concurrency): CPU per request of the openai SDK over the legacy httpx client (what trajgen/chat_calls.py
     passed until d607319), over httpx2 (the SDK's own default) and over aiohttp (openai.DefaultAioHttpClient;
-    `pip install aiohttp`), at latency 0.25 s. The runner uses aiohttp without the SDK (trajgen/llm.py;
+    `pip install aiohttp`), at latency 0.25 s. The runner uses aiohttp without the SDK (trajgen/chat_calls.py;
     bench/http_client.py measures it)."""
     out: dict = {"latency": LATENCY, "runs": collections.defaultdict(list)}
     with Server(SCRIPT_PLAIN, LATENCY, "pool") as server:
@@ -169,7 +169,7 @@ def section_pool(args) -> dict:
 
 SANDBOX_MICRO = r"""
 import asyncio, json, os, resource, sys, tempfile, time
-from trajgen.sandbox.config import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, cleanup, open_sandbox
 from trajgen.sandbox.local import LocalSandbox
 
 variant, conc, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

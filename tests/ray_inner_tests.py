@@ -42,9 +42,9 @@ from tests.test_web_tools import fake_api, no_provider_env  # noqa: E402, F401  
 from trajgen.errors import WorkerCrashed  # noqa: E402
 from trajgen.messages import Event, Fatal, Finished, Log, Throttled  # noqa: E402
 from trajgen.ray_executor import RayPool  # noqa: E402
-from trajgen.sandbox.config import SandboxConfig  # noqa: E402
+from trajgen.sandbox.backends import SandboxConfig  # noqa: E402
 from trajgen.tools import ToolSettings  # noqa: E402
-from trajgen.work import ModelSettings, Task, WorkerConfig  # noqa: E402
+from trajgen.task import ModelSettings, Task, WorkerConfig  # noqa: E402
 
 SLOW = [{**call("terminal", command="echo hi"), "delay": 0.4}, {**think(), "delay": 0.4}]
 # blocks in its sandbox until the test creates `release` in the sandbox's work dir

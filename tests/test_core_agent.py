@@ -11,9 +11,9 @@ from trajgen import agent, errors
 from trajgen.conventions import openai
 from trajgen.model import Reply, ScriptedModel, tool_call
 from trajgen.outcome import Status, decide
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.tools import ToolContext
-from trajgen.work import ModelSettings, Task
+from trajgen.task import ModelSettings, Task
 
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k", max_turns=2,
                          system_prompt="SYSTEM", ephemeral_system_prompt="STEER",

@@ -12,7 +12,7 @@ from trajgen import agent, errors
 from trajgen.model import Metered, Reply, ScriptedModel, _usage, checked, tool_call
 from trajgen.outcome import Status, decide
 from trajgen.tools import ToolContext
-from trajgen.work import ModelSettings, Task
+from trajgen.task import ModelSettings, Task
 
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k", max_turns=3)
 TASK = Task("key-1", 0, 0, "look it up", None, None, {}, [], [])
@@ -97,7 +97,7 @@ def test_a_row_that_is_not_json_fails_in_the_worker_with_a_named_class():
 
 
 def test_the_proxy_comes_from_the_environment_and_no_proxy_is_honoured(monkeypatch):
-    from trajgen.llm import env_proxy
+    from trajgen.chat_calls import env_proxy
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")

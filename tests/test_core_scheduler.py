@@ -11,7 +11,7 @@ from trajgen.messages import Event, Fatal, Finished, Replied, Retrying
 from trajgen.model import Reply
 from trajgen.outcome import decide
 from trajgen.plan import Plan
-from trajgen.work import Task
+from trajgen.task import Task
 
 
 def task(i: int, batch_size: int = 2) -> Task:

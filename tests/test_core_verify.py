@@ -12,7 +12,7 @@ from tests.conftest import ROOT, write_jsonl
 from trajgen import dataset, merge, plan, run, verify
 from trajgen.distributions import get_distribution, sample_toolsets
 from trajgen.options import RunOptions
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.verify import Verdict
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.tools import ToolContext
 from trajgen.tools.files import MAX_MATCHES, patch, read_file, search_files, write_file
 from trajgen.tools.terminal import terminal

@@ -10,7 +10,7 @@ import subprocess
 from tests.conftest import in_terminal, read_jsonl, think, write_jsonl
 from trajgen import dataset, merge, store
 from trajgen.scheduler import PROMPT_EXCERPT, _which
-from trajgen.work import Task
+from trajgen.task import Task
 
 
 def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server):

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
-from trajgen import errors, llm, store
+from trajgen import chat_calls, errors, store
 from trajgen.sandbox import cgroups
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 
 def _prompts(rows: list[dict]) -> list[str]:
@@ -276,9 +276,9 @@ def test_the_default_retries_outlast_a_long_outage_whatever_the_jitter_draws():
     for _ in range(2000):
         waits, previous = [], 0.0
         for _ in range(10):  # the default --max_retries
-            previous = llm.backoff(previous)
+            previous = chat_calls.backoff(previous)
             waits.append(previous)
-        assert sum(waits) >= 100 and min(waits) >= 1.0 and max(waits) <= llm.BACKOFF_CAP
+        assert sum(waits) >= 100 and min(waits) >= 1.0 and max(waits) <= chat_calls.BACKOFF_CAP
 
 
 def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_second(scripted_server):
@@ -287,9 +287,9 @@ def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_sec
     throttled = []
 
     async def one_call():
-        endpoint = llm.Endpoint(settings, 1)
+        endpoint = chat_calls.Endpoint(settings, 1)
         try:
-            await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
+            await chat_calls.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: throttled.append(1))
         finally:
             await endpoint.close()
 
@@ -325,11 +325,11 @@ def test_resume_removes_the_cgroups_a_killed_runner_left(cli, scripted_server):
     assert ours() == set()
 
 
-def _call(settings: ModelSettings, endpoint: llm.Endpoint | None = None, on_retry=None):
+def _call(settings: ModelSettings, endpoint: chat_calls.Endpoint | None = None, on_retry=None):
     async def one_call():
-        used = endpoint or llm.Endpoint(settings, 1)
+        used = endpoint or chat_calls.Endpoint(settings, 1)
         try:
-            return await llm.complete(used, settings, [{"role": "user", "content": "hi"}], None, lambda: None,
+            return await chat_calls.complete(used, settings, [{"role": "user", "content": "hi"}], None, lambda: None,
                                       on_retry=on_retry)
         finally:
             await used.close()
@@ -344,7 +344,7 @@ def test_an_endpoint_out_of_reach_that_never_answered_stops_at_once():
         refused = ModelSettings(model="m", base_url=f"http://127.0.0.1:{closed.getsockname()[1]}/v1", api_key="k")
         with pytest.raises(errors.EndpointUnreachable, match="^connection refused$"):
             _call(refused)
-        endpoint = llm.Endpoint(refused, 1)
+        endpoint = chat_calls.Endpoint(refused, 1)
         endpoint.answered = True  # it answered before: a refusal now is an outage, retried
         with pytest.raises(errors.APIConnectionError):
             _call(dataclasses.replace(refused, max_retries=1), endpoint)
@@ -365,9 +365,9 @@ def test_a_certificate_the_system_does_not_trust_is_out_of_reach(tmp_path):
         server = await asyncio.start_server(lambda r, w: requests.append(w.close()), "127.0.0.1", 0, ssl=context)
         settings = ModelSettings(model="m", base_url=f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1",
                                  api_key="k")
-        endpoint = llm.Endpoint(settings, 1)
+        endpoint = chat_calls.Endpoint(settings, 1)
         try:
-            await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None)
+            await chat_calls.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None)
         finally:
             await endpoint.close()
             server.close()
@@ -398,4 +398,4 @@ def test_each_retry_is_heard_with_its_cause_attempt_and_wait(scripted_server):
     _call(settings, on_retry=lambda error, attempt, retries, wait: heard.append((type(error), attempt, retries, wait)))
     assert [(kind, attempt, retries) for kind, attempt, retries, _ in heard] == [
         (errors.InternalServerError, 1, 5), (errors.InternalServerError, 2, 5)]
-    assert all(wait >= llm.BACKOFF_BASE for *_, wait in heard)
+    assert all(wait >= chat_calls.BACKOFF_BASE for *_, wait in heard)

@@ -19,7 +19,7 @@ from trajgen import journal, store
 from trajgen.messages import Finished, Replied, without_landed_replies
 from trajgen.model import Reply
 from trajgen.outcome import PromptOutcome, Status
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 GATED = {"p1": (1, "kill1"), "p3": (2, "kill1"), "p2": (3, "kill2")}  # prompt -> (turn held, gate)
 PROMPTS = [f"p{i}" for i in range(6)]

@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import arun, call, read_jsonl, think, write_jsonl
 from trajgen.errors import UsageError
 from trajgen.sandbox import SandboxConfig
-from trajgen.sandbox.config import bwrap_problem, open_sandbox
+from trajgen.sandbox.backends import bwrap_problem, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
 from trajgen import trajectory
 from trajgen.tools import mcp, mcp_config

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import batch_runner
-from trajgen import flags, options
+from trajgen import command_line, options
 from trajgen.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_every_flag_in_the_table_is_accepted():
     assert TABLE_FLAGS == [f.name for f in options.FIELDS]
     for field in options.FIELDS:
         value = str(field.default)
-        assert flags.parse([f"--{field.name}={value}"]) == {field.name: flags.convert(field.name, value)}
+        assert command_line.parse([f"--{field.name}={value}"]) == {field.name: command_line.convert(field.name, value)}
 
 
 def anchors(page: Path) -> set[str]:
@@ -59,4 +59,4 @@ def test_a_misspelled_guard_rail_is_refused_with_the_right_name(name):
     typos = {name[:-1], name.replace("_", ""), name[:2] + name[3] + name[2] + name[4:], name + "s"} - {name}
     for typo in typos:
         with pytest.raises(UsageError, match=f"did you mean --{name}\\?"):
-            flags.parse([f"--{typo}=1"])
+            command_line.parse([f"--{typo}=1"])

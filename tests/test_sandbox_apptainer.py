@@ -14,7 +14,7 @@ import pytest
 
 from tests.standins import builds, live_instances
 from trajgen.sandbox import SandboxError, apptainer, read_file
-from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, limit_notices, open_sandbox, reap
+from trajgen.sandbox.backends import SandboxConfig, check_images, cleanup, limit_notices, open_sandbox, reap
 from trajgen.sandbox.roots import UID_BASE, UID_COUNT
 
 pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]

@@ -30,7 +30,7 @@ from tests.test_web_tools import local_site  # noqa: F401  (fixture)
 from tests.support.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
-from trajgen.sandbox.config import bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.backends import bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.roots import UID_BASE, UID_COUNT, new_root_dir
 
 pytest_plugins = ["tests.dockerd"]

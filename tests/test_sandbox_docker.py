@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import arun
 from trajgen.sandbox import SandboxError, read_file
-from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, check_images, cleanup, open_sandbox
 from trajgen.sandbox.docker_client import call, engine
 
 pytest_plugins = ["tests.dockerd"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trajgen.sandbox import SandboxError, read_file
-from trajgen.sandbox.config import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.sandbox.roots import sweep_stale_roots

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from trajgen.sandbox import SandboxError, read_file
-from trajgen.sandbox.config import SandboxConfig, check_images, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, check_images, cleanup, open_sandbox
 
 pytest_plugins = ["tests.dockerd", "tests.standins.modal_fixture"]
 

@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import arun
-from trajgen import errors, llm
-from trajgen.work import ModelSettings
+from trajgen import chat_calls, errors
+from trajgen.task import ModelSettings
 
 TOOL = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
 AWKWARD = {"content": "héllo wörld ☃ done", "reasoning_content": "thïnk", "reasoning": "fïrst",
@@ -37,11 +37,11 @@ def _call(settings: ModelSettings, prompt: str = "hi", times: int = 1) -> tuple[
     stalls: list[int] = []
 
     async def calls():
-        endpoint, results = llm.Endpoint(settings, 2), []
+        endpoint, results = chat_calls.Endpoint(settings, 2), []
         try:
             for _ in range(times):
                 try:
-                    results.append(await llm.complete(endpoint, settings, [{"role": "user", "content": prompt}], TOOL,
+                    results.append(await chat_calls.complete(endpoint, settings, [{"role": "user", "content": prompt}], TOOL,
                                                       lambda: None, on_stall=lambda: stalls.append(1)))
                 except Exception as e:  # noqa: BLE001 - the test looks at which
                     results.append(e)
@@ -93,7 +93,7 @@ def test_a_stall_is_named_and_a_cut_stream_is_a_connection_error(scripted_server
                                           "cut": [{"content": "abcdef", "pieces": 1, "cut_after": 2}]}})
     (stalled,), stalls = _call(_settings(server, stall_timeout=0.3), "stall")
     assert isinstance(stalled, errors.APITimeoutError) and stalls == [1]
-    assert "stalled: no byte for 0.3 s (--stall_timeout)" in llm.describe(stalled)[1]
+    assert "stalled: no byte for 0.3 s (--stall_timeout)" in chat_calls.describe(stalled)[1]
     (cut,), _ = _call(_settings(server), "cut")
     assert type(cut) is errors.APIConnectionError
 
@@ -139,9 +139,9 @@ def test_a_long_generation_through_a_gateway_that_cuts_idle_connections(scripted
         gateway = await asyncio.start_server(relay, "127.0.0.1", 0)
         port = gateway.sockets[0].getsockname()[1]
         settings = _settings(server, base_url=f"http://127.0.0.1:{port}/v1", stream=stream)
-        endpoint = llm.Endpoint(settings, 1)
+        endpoint = chat_calls.Endpoint(settings, 1)
         try:
-            return await llm.complete(endpoint, settings, [{"role": "user", "content": "go"}], None, lambda: None)
+            return await chat_calls.complete(endpoint, settings, [{"role": "user", "content": "go"}], None, lambda: None)
         except errors.APIConnectionError as e:
             return e
         finally:
@@ -159,8 +159,8 @@ def test_closing_a_stream_stops_the_generation(scripted_server):
     settings = _settings(server)
 
     async def stop_midway():
-        endpoint = llm.Endpoint(settings, 1)
-        call = asyncio.ensure_future(llm.complete(endpoint, settings, [{"role": "user", "content": "go"}], None,
+        endpoint = chat_calls.Endpoint(settings, 1)
+        call = asyncio.ensure_future(chat_calls.complete(endpoint, settings, [{"role": "user", "content": "go"}], None,
                                                   lambda: None))
         while server.stats()["stream_events"] < 50:
             await asyncio.sleep(0.01)
@@ -224,9 +224,9 @@ def test_stray_bytes_after_a_body_do_not_cost_the_next_answer(scripted_server, t
 
     async def calls():
         settings = _settings(server, stream=False)
-        endpoint, got = llm.Endpoint(settings, 1), []
+        endpoint, got = chat_calls.Endpoint(settings, 1), []
         for _ in range(3):
-            got.append(await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None))
+            got.append(await chat_calls.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None, lambda: None))
             await asyncio.sleep(0.1)  # the late bytes have come
         await endpoint.close()
         return got
@@ -244,7 +244,7 @@ def test_a_tls_handshake_that_never_answers_is_named(monkeypatch):
     finally:
         silent.close()
     assert isinstance(result, errors.APITimeoutError)
-    assert "TLS handshake" in llm.describe(result)[1] and "within 0.5 s" in llm.describe(result)[1]
+    assert "TLS handshake" in chat_calls.describe(result)[1] and "within 0.5 s" in chat_calls.describe(result)[1]
 
 
 def test_no_proxy_cidr_ranges_are_honoured(scripted_server, monkeypatch):
@@ -260,8 +260,8 @@ def test_no_proxy_cidr_ranges_are_honoured(scripted_server, monkeypatch):
     monkeypatch.setenv("NO_PROXY", "example.org,127.0.0.0/8")
     (direct,), _ = _call(_settings(server))
     assert direct.message["content"] == "direct"
-    assert llm.env_proxy("http://10.1.2.3/v1") == f"http://127.0.0.1:{dead_port}"
-    assert llm.env_proxy("http://api.example.org/v1") is None
+    assert chat_calls.env_proxy("http://10.1.2.3/v1") == f"http://127.0.0.1:{dead_port}"
+    assert chat_calls.env_proxy("http://api.example.org/v1") is None
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 64])
@@ -353,10 +353,10 @@ def test_tls_trusts_certifi_or_ssl_cert_file_and_an_https_proxy_tunnels(certific
                     {"SSL_CERT_FILE": str(cert), "HTTPS_PROXY": f"https://localhost:{tls_proxy.sockets[0].getsockname()[1]}"}):
             for name, value in env.items():
                 monkeypatch.setenv(name, value)
-            llm.trust.cache_clear()
-            endpoint = llm.Endpoint(settings, 1)
+            chat_calls.trust.cache_clear()
+            endpoint = chat_calls.Endpoint(settings, 1)
             try:
-                results.append((await llm.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None,
+                results.append((await chat_calls.complete(endpoint, settings, [{"role": "user", "content": "hi"}], None,
                                                    lambda: None)).message["content"])
             except errors.EndpointUnreachable as e:  # never answered: the run would stop, naming the cause
                 results.append(str(e))
@@ -367,7 +367,7 @@ def test_tls_trusts_certifi_or_ssl_cert_file_and_an_https_proxy_tunnels(certific
         return results
 
     untrusted, trusted, proxied = arun(calls())
-    llm.trust.cache_clear()
+    chat_calls.trust.cache_clear()
     assert untrusted == "TLS failure: the certificate is not accepted (self-signed certificate)"
     assert trusted == proxied == "secure" and tunnels[0].startswith(b"CONNECT localhost:")
 

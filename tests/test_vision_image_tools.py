@@ -8,7 +8,7 @@ import pytest
 
 import model_tools
 from tests.test_web_tools import PNG, fake_api, local_site, no_provider_env  # noqa: F401  (fixtures)
-from trajgen.sandbox.config import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, cleanup, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
 from trajgen.tools.images import image_generate
 from trajgen.tools.vision import vision_analyze

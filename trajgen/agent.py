@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from trajgen import registry, trajectory
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.tools import ToolContext, ToolSpec
-from trajgen.work import ModelSettings, Task
+from trajgen.task import ModelSettings, Task
 
 FINAL_ANSWER_REQUEST = "You have used all your tool-calling turns. Give your final answer now, without calling tools."
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from rich.table import Table
 
-from trajgen import console, errors, llm
+from trajgen import chat_calls, console, errors
 from trajgen.plan import Plan
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 # Per-call token counts assumed for the cost estimate (said in the output).
 ASSUMED_PROMPT_TOKENS = 2000
@@ -21,9 +21,9 @@ ASSUMED_COMPLETION_TOKENS = 500
 
 async def _probe(settings: ModelSettings) -> str | None:
     """None when the endpoint answers a one-token request, else why it does not."""
-    endpoint = llm.Endpoint(settings, connections=1)
+    endpoint = chat_calls.Endpoint(settings, connections=1)
     try:
-        await endpoint.call(llm.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
+        await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
     except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
         cause = errors.unreachable_cause(e)
         return f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}"

@@ -18,18 +18,18 @@ from typing import Callable
 
 import orjson
 
-from trajgen import llm, locks, store
+from trajgen import chat_calls, locks, store
 from trajgen.errors import DiskFull, UsageError
 from trajgen.messages import Event, Notice, Replied
 from trajgen.model import USAGE_KEYS, ModelClient, Reply
-from trajgen.work import ModelSettings, Task
+from trajgen.task import ModelSettings, Task
 
 
 def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict], forbid_tools: bool) -> str:
     """sha256 of the request body as sent (model, messages with the system prompt, tool schemas,
     tool_choice, sampling settings, extra body), as canonical JSON. The endpoint's address is not
     part of it: a local server's port changes between runs."""
-    body = llm.request_args(settings, messages, tools, forbid_tools)
+    body = chat_calls.request_args(settings, messages, tools, forbid_tools)
     return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trajgen.model import Reply
 from trajgen.outcome import PromptOutcome, Status
-from trajgen.work import Task
+from trajgen.task import Task
 
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})  # each stops a run the same way

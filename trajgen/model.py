@@ -1,6 +1,6 @@
 """The model as the agent loop sees it: `complete(messages, tools, forbid_tools) -> Reply`.
 
-`OpenAIModel` is the real endpoint (one retry policy, in trajgen/llm.py); `ScriptedModel` replays
+`OpenAIModel` is the real endpoint (one retry policy, in trajgen/chat_calls.py); `ScriptedModel` replays
 replies in process, so the loop can be tested without HTTP (mini-swe-agent's DeterministicModel).
 Both hand the loop only checked replies (`checked`): a reply the loop cannot use faithfully fails
 its prompt here, as MalformedResponse, and never reaches a row.
@@ -12,9 +12,9 @@ from typing import Callable, Protocol
 
 import orjson
 
-from trajgen import llm
+from trajgen import chat_calls
 from trajgen.errors import EmptyAnswer, MalformedResponse
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
 
@@ -38,7 +38,7 @@ class OpenAIModel:
     """An OpenAI-compatible endpoint through the worker's shared connection pool, for one prompt:
     `stalls` counts its calls abandoned for silence."""
 
-    def __init__(self, endpoint: llm.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None],
+    def __init__(self, endpoint: chat_calls.Endpoint, settings: ModelSettings, on_throttle: Callable[[], None],
                  on_retry: Callable[[Exception, int, int, float], None] | None = None):
         self.endpoint, self.settings, self.on_throttle, self.on_retry = endpoint, settings, on_throttle, on_retry
         self.stalls = 0
@@ -47,7 +47,7 @@ class OpenAIModel:
         self.stalls += 1
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
-        response = await llm.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools,
+        response = await chat_calls.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools,
                                       self._stalled, self.on_retry)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}

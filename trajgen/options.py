@@ -2,7 +2,7 @@
 their help, the flag table of docs/flags.md, what resume compares and what exports record.
 
 `batch_runner.main` takes exactly these fields as keyword arguments (its signature is built
-from them), and the argument parser in `trajgen/flags.py` reads their types from here.
+from them), and the argument parser in `trajgen/command_line.py` reads their types from here.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from trajgen.errors import UsageError
 from trajgen.local_model import NAME as LOCAL_MODEL
-from trajgen.sandbox.config import BACKENDS, SandboxConfig, new_root_dir
+from trajgen.sandbox.backends import BACKENDS, SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_SYSTEM_PROMPT = (

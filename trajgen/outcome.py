@@ -13,9 +13,9 @@ import traceback
 from dataclasses import dataclass, field
 
 
-from trajgen import errors, llm, store
+from trajgen import chat_calls, errors, store
 from trajgen.model import no_usage
-from trajgen.work import Task
+from trajgen.task import Task
 
 OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, errors.WorkerCrashed, errors.RunStopped,
         errors.ProviderError, errors.MalformedResponse, errors.NoNodeCanServe)
@@ -70,6 +70,6 @@ def _named(error: BaseException) -> tuple[str, str, str | None]:
     if isinstance(error, OURS):
         return type(error).__name__, str(error), None
     if isinstance(error, errors.APIError):
-        return (*llm.describe(error), None)
+        return (*chat_calls.describe(error), None)
     named = error if isinstance(error, errors.InternalError) else errors.InternalError(f"{type(error).__name__}: {error}")
     return type(named).__name__, str(named)[:2000], "".join(traceback.format_exception(error))

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 from trajgen.distributions import Distribution, sample_toolsets
 from trajgen import dataset
-from trajgen.work import Task
+from trajgen.task import Task
 
 SANDBOX_TOOLSETS = ("terminal", "file")
 

@@ -32,9 +32,9 @@ from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Replied, Th
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
-from trajgen.sandbox.config import bwrap_problem, check_images, cleanup
-from trajgen.work import Task, WorkerConfig
-from trajgen.workers import _Worker
+from trajgen.sandbox.backends import bwrap_problem, check_images, cleanup
+from trajgen.task import Task, WorkerConfig
+from trajgen.process_pool import _Worker
 
 try:
     import ray

@@ -21,10 +21,10 @@ from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
-from trajgen.sandbox.config import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
+from trajgen.sandbox.backends import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.tools import ToolSettings, ToolSpec, mcp_config
-from trajgen.work import ModelSettings, Task, WorkerConfig
-from trajgen.workers import ProcessPool, worker_share
+from trajgen.task import ModelSettings, Task, WorkerConfig
+from trajgen.process_pool import ProcessPool, worker_share
 
 
 @dataclass(frozen=True)

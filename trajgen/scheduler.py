@@ -20,7 +20,7 @@ from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped, Wo
 from trajgen.messages import STOP_SIGNALS, Event, Fatal, Finished, Log, Notice, Replied, Retrying, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
-from trajgen.work import Task
+from trajgen.task import Task
 
 POLL_SECONDS = 0.2
 PROMPT_EXCERPT = 200  # characters of a failed prompt's text in failures.jsonl

@@ -16,7 +16,7 @@ from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions
 from trajgen.plan import SANDBOX_TOOLSETS
 from trajgen.sandbox import SandboxError
-from trajgen.sandbox.config import BACKENDS, bwrap_problem
+from trajgen.sandbox.backends import BACKENDS, bwrap_problem
 
 FETCHING = ("web_extract",)  # tools outside the browser toolset that fetch a URL the model names
 

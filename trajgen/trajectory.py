@@ -16,7 +16,7 @@ import orjson
 FORMAT_VERSION = 2
 ENVELOPE_TAGS = ("think", "tool_call", "tool_response")
 REASONING_TAGS = ("think", "thinking", "reasoning", "REASONING_SCRATCHPAD")
-LATENCY_KEYS = ("first_byte", "first_token", "generation")  # seconds per reply, in row metadata (trajgen/llm.py)
+LATENCY_KEYS = ("first_byte", "first_token", "generation")  # seconds per reply, in row metadata (trajgen/chat_calls.py)
 _REASONING_BLOCK = re.compile(
     r"<(" + "|".join(REASONING_TAGS) + r")>(.*?)(?:</\1>|\Z)", re.DOTALL
 )

@@ -1,6 +1,6 @@
 """Per-prompt sandboxes: where the model's commands and file edits happen.
 
-This module holds the data and the protocol; `config` opens sandboxes by backend name
+This module holds the data and the protocol; `backends` opens sandboxes by backend name
 (`local`: bubblewrap, `docker`, `apptainer`, `modal`), `process` runs and caps commands. A backend builds one
 sandbox per prompt, lazily, at the prompt's first tool call; the conversation closes it when
 the prompt ends. Every backend returns plain data, and nothing here has side effects until a

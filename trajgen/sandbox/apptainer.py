@@ -233,7 +233,7 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
 
 def remove_instances(tag: str, value: str) -> None:
     """Stop every instance whose name carries <tag>=<value>; quiet when the runtime is absent."""
-    from trajgen.sandbox.config import RUN_TAG, SESSION_TAG  # config registers this module
+    from trajgen.sandbox.backends import RUN_TAG, SESSION_TAG  # backends.py registers this module
 
     if runtime() is None:
         return

@@ -223,7 +223,7 @@ async def probe(servers: tuple[Server, ...], sandbox: SandboxConfig, timeout: fl
 
 
 async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allow_private: bool) -> list[ToolSpec]:
-    from trajgen.sandbox.config import open_sandbox  # the backends' modules only when a config names a server
+    from trajgen.sandbox.backends import open_sandbox  # the backends' modules only when a config names a server
     opened: list[Sandbox] = []
 
     async def get_sandbox() -> Sandbox:

@@ -19,16 +19,16 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
-from trajgen import agent, journal, llm, registry, verify
+from trajgen import agent, chat_calls, journal, registry, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, WorkerCrashed
 from trajgen.messages import (STOP_SIGNALS, Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled,
                               without_landed_replies)
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
-from trajgen.sandbox.config import open_sandbox
+from trajgen.sandbox.backends import open_sandbox
 from trajgen.tools import ToolContext, ToolSpec
-from trajgen.work import Task, WorkerConfig
+from trajgen.task import Task, WorkerConfig
 
 _PROMPT: contextvars.ContextVar[str] = contextvars.ContextVar("prompt")  # the key of the prompt a call is made for
 
@@ -62,7 +62,7 @@ class _Worker:
 
     def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
-        self.endpoint = llm.Endpoint(config.model, config.concurrency)
+        self.endpoint = chat_calls.Endpoint(config.model, config.concurrency)
         self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
@@ -77,7 +77,7 @@ class _Worker:
 
     def retrying(self, error: Exception, attempt: int, retries: int, wait: float) -> None:
         """Tell the parent that the current prompt's call waits for a retry, and why."""
-        status = llm.status_of(error)
+        status = chat_calls.status_of(error)
         cause = (f"HTTP {status}" if status is not None else "timeout" if isinstance(error, APITimeoutError)
                  else "connection error")
         self.send(Retrying(_PROMPT.get(""), cause, attempt, retries, wait))
@@ -235,7 +235,7 @@ class ProcessPool:
         self.num_workers = num_workers
         self.config = config
         self.ctx = mp.get_context("forkserver")  # imports the workers' modules once; each worker forks ready
-        self.ctx.set_forkserver_preload(["__main__", "trajgen.workers"])
+        self.ctx.set_forkserver_preload(["__main__", "trajgen.process_pool"])
         self.workers: list[_Handle] = []
 
     def start(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trajgen.sandbox.config import SandboxConfig
+from trajgen.sandbox.backends import SandboxConfig
 from trajgen.tools import ToolSettings, ToolSpec
 
 

@@ -31,7 +31,7 @@ import orjson
 from trajgen import stream
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
                             MalformedResponse, ProviderError, ReplyTooLarge, status_error, unreachable_cause)
-from trajgen.work import ModelSettings
+from trajgen.task import ModelSettings
 
 BACKOFF_BASE = 1.0
 BACKOFF_CAP = 30.0
