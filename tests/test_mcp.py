@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap
 GIT = {"command": sys.executable, "args": ["-m", "mcp_server_git"]}
 TIME = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone=UTC"]}
 HTTP_SERVER = Path(__file__).parent / "standins" / "mcp_http_server.py"
+TOKEN = "tok-7f3e9a1c-secret"  # a header's value: a secret, which no file or output of a run may hold
 
 
 def descendants(pid: int) -> list[int]:
@@ -206,8 +207,14 @@ def test_server_that_cannot_start_is_named_with_its_reason(sandbox_config):
     ('{"mcpServers": {"a b": {"command": "x"}}}', "letters, digits"),
     ('{"mcpServers": {"git": {"command": "x", "url": "http://127.0.0.1:1/mcp"}}}', 'exactly one of'),
     ('{"mcpServers": {"git": {"command": "x", "args": "-m"}}}', '"args"'),
-    ('{"mcpServers": {"git": {"command": "x", "headers": {}}}}', "unknown key"),
+    ('{"mcpServers": {"git": {"command": "x", "cwd": "/"}}}', "unknown key"),
+    ('{"mcpServers": {"git": {"command": "x", "headers": {}}}}', '"headers" go with "url"'),
     ('{"mcpServers": {"docs": {"url": "ftp://x"}}}', "http"),
+    ('{"mcpServers": {"docs": {"url": "http://127.0.0.1:1/mcp", "headers": {"X-Key": 1}}}}', "names to strings"),
+    ('{"mcpServers": {"docs": {"url": "http://127.0.0.1:1/mcp", "headers": {"X-Key": "${env:TRAJGEN_UNSET_9}"}}}}',
+     r"header X-Key names \$\{env:TRAJGEN_UNSET_9\}, which is not set"),
+    ('{"mcpServers": {"docs": {"url": "http://127.0.0.1:1/mcp", "auth": {"CLIENT_ID": "x"}}}}',
+     'OAuth .* pass a token through "headers"'),
 ])
 def test_bad_configs_are_usage_errors(tmp_path, config, message):
     path = tmp_path / "mcp.json"
@@ -216,10 +223,12 @@ def test_bad_configs_are_usage_errors(tmp_path, config, message):
         mcp_config.load_config(str(path))
 
 
-def serve_mcp(*transport: str):
-    """The URL of the stand-in MCP server, listening on 127.0.0.1 for the length of the test."""
+def serve_mcp(*transport: str, token: str | None = None):
+    """The URL of the stand-in MCP server, listening on 127.0.0.1 for the length of the test;
+    with `token`, it answers only requests that carry it as a bearer token."""
     port = free_port()
     process = subprocess.Popen([sys.executable, str(HTTP_SERVER), str(port), *transport],
+                               env={**os.environ, **({"MCP_TEST_TOKEN": token} if token else {})},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def listening() -> bool:
@@ -275,6 +284,24 @@ def test_url_server_that_speaks_only_sse_is_found_by_the_probe(sandbox_config, s
         assert prompt.call(tools["lookup"], word="sse")["output"] == "sse: model context protocol"
     finally:
         prompt.close()
+
+
+@pytest.mark.parametrize("transport", ["mcp", "sse"])
+def test_url_server_gets_the_configs_headers_with_env_references_filled(sandbox_config, monkeypatch, transport):
+    for url in serve_mcp(*([transport] if transport == "sse" else []), token=TOKEN):
+        docs = {"url": url, **({"type": "sse"} if transport == "sse" else {})}
+        with pytest.raises(mcp_config.ServerFailed, match="401") as refused:
+            probe(sandbox_config, allow_private=True, docs=docs)
+        assert 'pass its token through "headers"' in str(refused.value) and "\n" not in str(refused.value)
+        monkeypatch.setenv("TRAJGEN_TEST_TOKEN", TOKEN)
+        tools = probe(sandbox_config, allow_private=True,
+                      docs={**docs, "headers": {"Authorization": "Bearer ${env:TRAJGEN_TEST_TOKEN}"}})
+        assert TOKEN not in repr(tools["lookup"])  # a server's repr (logs, tracebacks) leaves its headers out
+        prompt = Prompt(sandbox_config, "headers", allow_private=True)
+        try:
+            assert prompt.call(tools["lookup"], word="token")["output"] == "token: model context protocol"
+        finally:
+            prompt.close()
 
 
 def git_script(prompts: list[str]) -> dict:
@@ -377,3 +404,23 @@ def test_image_result_reaches_the_row_but_not_the_model(cli, scripted_server, tm
     assert sent["role"] == "tool" and "[image (image/png)]" in sent["content"] and block["data"] not in sent["content"]
     assert block["data"] not in turn["value"] and turn["message"] == sent
     assert row["tool_stats"]["red_pixel"]["success"] == 1
+
+
+def test_a_header_value_never_reaches_the_runs_files_or_output(cli, scripted_server, tmp_path):
+    """The token reaches the server (the calls succeed) and nothing of the run: not its rows, journal,
+    manifest, statistics or logs, not the terminal, not the error of a call that fails."""
+    for url in serve_mcp(token=TOKEN):
+        (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"docs": {
+            "url": url, "headers": {"Authorization": "Bearer ${env:DOCS_TOKEN}"}}}}))
+        write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "look it up"}])
+        script = {"default": [call("lookup", word="mcp"), call("flood"), call("lookup"), think("done")]}
+        with scripted_server(script) as server:
+            done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True,
+                                     verbose=True), env={"DOCS_TOKEN": TOKEN})
+            sent = json.dumps(server.requests())
+    assert done.returncode == 0, done.stderr
+    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    assert row["tool_stats"]["lookup"] == {"count": 2, "success": 1, "failure": 1}
+    assert row["tool_stats"]["flood"] == {"count": 1, "success": 0, "failure": 1}
+    leaks = [str(f) for f in tmp_path.rglob("*") if f.is_file() and TOKEN.encode() in f.read_bytes()]
+    assert leaks == [] and TOKEN not in done.stdout + done.stderr and TOKEN not in sent

@@ -71,7 +71,7 @@ class RunOptions:
     worker_memory: float | None = flag(None, "With --executor=ray: MB of memory each worker reserves (default: none).", group="scale")
     distribution: str = flag("default", "Toolset distribution sampled per prompt: a name (see --list_distributions) or a JSON file of {toolset: percent chance}.", resume=True, provenance=True, group="tools")
     toolsets: ListFlag = flag(None, "Offer exactly these toolsets (comma list, MCP servers' included) to every prompt instead of sampling --distribution.", resume=True, provenance=True, group="tools")
-    mcp_config: str | None = flag(None, 'MCP servers as toolsets named after their keys: a JSON file {"mcpServers": {name: {"command", "args", "env"} or {"url"}}} (see docs/mcp.md).', resume=True, provenance=True, group="tools")
+    mcp_config: str | None = flag(None, 'MCP servers as toolsets named after their keys: a JSON file {"mcpServers": {name: {"command", "args", "env"} or {"url", "headers"}}} (see docs/mcp.md).', resume=True, provenance=True, group="tools")
     tool_timeout: float = flag(60.0, "Seconds an MCP tool call may take (its server's start included); past it the call fails and the server restarts at the next call.", minimum=0.001, group="tools")
     max_turns: int = flag(10, "API calls with tools per prompt before one last call asks for a final answer.", minimum=1, resume=True, provenance=True, group="limits")
     resume: bool = flag(False, "Continue an existing run: run only prompts without a final record.", group="resume")

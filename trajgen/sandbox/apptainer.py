@@ -44,9 +44,12 @@ CONTROL_TIMEOUT = 120.0  # instance start / stop / list
 DEFAULT_CACHE = "~/.cache/trajgen/sif"
 NAME_PREFIX = "trajgen"  # instance names: trajgen-<run id>-<session label>-<prompt part>
 PASSED = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}  # what docker sets, nothing more
-# per-process limits in the call's shell ($2 CPU seconds, $3 file size in 512-byte blocks, $4 data in KB, $5 open files)
-LIMITED_CALL = ('ulimit -t "$2" 2>/dev/null; ulimit -f "$3" 2>/dev/null; ulimit -d "$4" 2>/dev/null; '
-                'ulimit -n "$5" 2>/dev/null; ' + ONE_CALL)
+# per-process limits in the call's shell ($1 CPU seconds, $2 file size in 512-byte blocks, $3 data in KB, $4 open
+# files), shifted off before what follows: a command (ONE_CALL's $1), or a long-lived process's argv
+LIMITS = ('ulimit -t "$1" 2>/dev/null; ulimit -f "$2" 2>/dev/null; ulimit -d "$3" 2>/dev/null; '
+          'ulimit -n "$4" 2>/dev/null; shift 4; ')
+LIMITED_CALL = LIMITS + ONE_CALL
+LIMITED_PROCESS = LIMITS + 'exec "$@"'
 
 
 @functools.cache
@@ -59,12 +62,13 @@ def runtime_problem() -> str | None:
     return None if runtime() else "neither apptainer nor singularity is on PATH"
 
 
-def runtime_env() -> dict[str, str]:
-    """The CLI's whole environment: its own settings and what instances may see, none of the runner's secrets."""
+def runtime_env(passed: dict[str, str] | None = None) -> dict[str, str]:
+    """The CLI's whole environment: its own settings and what instances may see (PASSED, then
+    `passed`), none of the runner's secrets."""
     own = ("APPTAINER_", "SINGULARITY_")
     env = {k: v for k, v in os.environ.items()
            if k.startswith(own) or k in ("PATH", "HOME", "XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")}
-    return env | {f"{runtime().upper()}ENV_{k}": v for k, v in PASSED.items()}
+    return env | {f"{runtime().upper()}ENV_{k}": v for k, v in (PASSED | (passed or {})).items()}
 
 
 def limit_notices() -> list[str]:
@@ -143,13 +147,22 @@ class ApptainerSandbox:
         user = ["--security", f"uid:{self._uid[0]},gid:{self._uid[0]}"] if self._uid else []
         return [runtime(), "exec", *user, "--pwd", self.cwd, f"instance://{self.name}", *argv]
 
+    def _limits(self) -> list[str]:
+        c = self.config
+        return [str(c.cpu_seconds), str(c.file_size_mb << 11), str(c.memory_mb << 10),
+                str(shares.open_files(c.slots, c.max_processes))]
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         await self._instance()
-        c = self.config
-
-        argv = self._exec("sh", "-c", LIMITED_CALL, "sh", command, str(c.cpu_seconds), str(c.file_size_mb << 11),
-                          str(c.memory_mb << 10), str(shares.open_files(c.slots, c.max_processes)))
+        argv = self._exec("sh", "-c", LIMITED_CALL, "sh", *self._limits(), command)
         return await run_process(argv, timeout, runtime_env(), on_timeout=self.end_processes)
+
+    async def process_argv(self, command: list[str]) -> list[str]:
+        """The CLI argv that runs `command` as a long-lived process of this instance, with stdin and
+        stdout as its pipes: the commands' uid, limits and work dir. The CLI needs runtime_env(), with
+        the process's own variables as `passed`. It ends when its stdin closes, or with the instance."""
+        await self._instance()
+        return self._exec("sh", "-c", LIMITED_PROCESS, "sh", *self._limits(), *command)
 
     async def end_processes(self) -> None:
         """Killing the CLI would leave a command running inside: it is killed from inside."""

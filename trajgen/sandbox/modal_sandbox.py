@@ -179,6 +179,14 @@ class ModalSandbox:
             if code != 0:
                 raise SandboxError(f"cannot write {path}: {await _stderr_line(process)}")
 
+    async def start_process(self, command: list[str], env: dict[str, str]):
+        """`command` as a long-lived process of this sandbox, with pipes (the SDK's ContainerProcess,
+        whose stdout yields whole lines of text): in the work dir, with the sandbox's environment plus
+        `env`. It ends when its stdin closes, or with the sandbox."""
+        sandbox = await self._get()
+        with _modal_errors(f"cannot start {command[0]}"):
+            return await sandbox.exec.aio(*command, workdir=self.cwd, env={**ENV, **env}, text=True, bufsize=1)
+
     async def end_processes(self) -> None:
         if self._sandbox is not None:
             with _modal_errors("the Modal sandbox failed"):

@@ -1,8 +1,9 @@
 """MCP servers as toolsets: the probe that reads their tools, and one session per prompt.
 
-A `command` server runs inside the prompt's sandbox (sandbox/stdio.py), started at the prompt's
-first call of one of its tools and ended with the prompt; a `url` server is shared and reached
-over streamable HTTP (SSE where the probe finds only that). Every fault of a server becomes its
+A `command` server runs inside the prompt's sandbox (sandbox/stdio.py; in a Modal sandbox, a
+process of Modal's bridged to the SDK's streams), started at the prompt's first call of one of its
+tools and ended with the prompt; a `url` server is shared and reached over streamable HTTP (SSE
+where the probe finds only that), with the config's headers. Every fault of a server becomes its
 call's failed result, and the next call starts the server again. The SDK speaks the protocol.
 """
 from __future__ import annotations
@@ -16,17 +17,22 @@ from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 import anyio
+import httpx2
+import mcp_types
 import orjson
 from mcp import ClientSession
 from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
 from mcp_types import CONNECTION_CLOSED
 
 from trajgen import trajectory
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
 from trajgen.sandbox import stdio
+from trajgen.sandbox.modal_sandbox import ModalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP, last_line
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.tools.mcp_config import Server, ServerFailed
@@ -125,15 +131,26 @@ class _Session:
 
 
 def _describe(error: BaseException) -> str:
+    """One line: an HTTP status says what to do about a refusal; anything else is named with its text."""
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if isinstance(error, httpx2.HTTPStatusError):
+        status = error.response.status_code
+        hint = '; pass its token through "headers" (an OAuth sign-in cannot run in a batch)' if status in (401, 403) else ""
+        return f"HTTP {status} {error.response.reason_phrase} from {error.request.url}{hint}"
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @asynccontextmanager
 async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
     """The streams of `server` run inside `sandbox`, in its work dir."""
-    launch = await stdio.launch(sandbox, [server.command, *server.args], dict(server.env))
+    command, env = [server.command, *server.args], dict(server.env)
+    if isinstance(sandbox, ModalSandbox):
+        async with _process_streams(await sandbox.start_process(command, env), errlog) as streams:
+            yield streams
+        return
+    launch = await stdio.launch(sandbox, command, env)
     try:
         params = StdioServerParameters(command=launch.argv[0], args=launch.argv[1:], env=launch.env, cwd=launch.cwd)
         async with stdio_client(params, errlog=errlog) as streams:
@@ -142,14 +159,59 @@ async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
         launch.close()
 
 
+@asynccontextmanager
+async def _process_streams(process, errlog) -> AsyncIterator:
+    """A Modal ContainerProcess as the session's streams of the SDK's messages, one per line each
+    way as the SDK's stdio_client frames them; its stderr goes to `errlog`."""
+    from_server, read = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write, to_server = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def receive() -> None:
+        async with from_server:
+            async for line in process.stdout:
+                if line.strip():
+                    try:
+                        await from_server.send(SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)))
+                    except ValueError as e:  # not a message: the session fails the call waiting for one
+                        await from_server.send(e)
+
+    async def send() -> None:
+        async with to_server:
+            async for message in to_server:
+                process.stdin.write(message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n")
+                await process.stdin.drain.aio()
+
+    async def log() -> None:
+        async for text in process.stderr:
+            errlog.write(text)
+            errlog.flush()
+
+    async with anyio.create_task_group() as tasks:
+        for task in (receive, send, log):
+            tasks.start_soon(task)
+        try:
+            yield read, write
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):  # the server ends at the end of its stdin
+                process.stdin.write_eof()
+                await process.stdin.drain.aio()
+            tasks.cancel_scope.cancel()
+
+
 def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Session:
     if server.url:
         @asynccontextmanager
         async def streams() -> AsyncIterator:
             if refused := await check_url(server.url, allow_private):
                 raise SandboxError(refused)
-            async with (sse_client(server.url) if server.sse else streamable_http_client(server.url)) as pair:
-                yield pair[0], pair[1]
+            headers = dict(server.headers)
+            if server.sse:
+                async with sse_client(server.url, headers=headers) as pair:
+                    yield pair
+            else:
+                async with create_mcp_http_client(headers=headers) as client, \
+                        streamable_http_client(server.url, http_client=client) as pair:
+                    yield pair
         return _Session(streams, None)
     errlog = tempfile.TemporaryFile("w+")
 
@@ -223,11 +285,14 @@ async def probe(servers: tuple[Server, ...], sandbox: SandboxConfig, timeout: fl
 
 
 async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allow_private: bool) -> list[ToolSpec]:
-    from trajgen.sandbox.backends import open_sandbox  # the backends' modules only when a config names a server
+    from trajgen.sandbox.backends import check_images, open_sandbox  # the backends only when a config names a server
     opened: list[Sandbox] = []
 
     async def get_sandbox() -> Sandbox:
+        """A sandbox of --docker_image, built or pulled first where the backend runs images: sandboxes never do."""
         if not opened:
+            if reason := (await check_images([config.docker_image], config)).get(config.docker_image):
+                raise SandboxError(f"image {config.docker_image} is unavailable: {reason}")
             opened.append(await asyncio.to_thread(open_sandbox, config, f"mcp-probe-{server.name}"))
         return opened[0]
 

@@ -5,8 +5,9 @@ no MCP SDK.
 """
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
@@ -15,7 +16,9 @@ from trajgen.distributions import TOOLSETS
 from trajgen.errors import UsageError
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-KEYS = {"command", "args", "env", "url", "type"}
+KEYS = {"command", "args", "env", "url", "type", "headers"}
+OAUTH_KEYS = {"auth", "oauth"}  # Cursor's and others' OAuth settings: a sign-in in a browser
+ENV_REFERENCE = re.compile(r"\$\{env:([^}]*)\}")  # VS Code's and Cursor's ${env:NAME}
 TYPES = {"command": ("stdio",), "url": ("http", "streamable-http", "streamableHttp", "sse")}
 
 
@@ -27,6 +30,7 @@ class Server:
     env: tuple[tuple[str, str], ...] = ()
     url: str = ""
     sse: bool = False  # the url speaks the older SSE transport (the probe found no streamable HTTP)
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent to a url server; secrets
 
 
 class ServerFailed(Exception):
@@ -53,6 +57,9 @@ def _server(path: str, name: str, entry: object) -> Server:
         raise UsageError(f"{where} has the name of the built-in toolset {name}")
     if not isinstance(entry, dict) or ("command" in entry) == ("url" in entry):
         raise UsageError(f'{where}: needs exactly one of "command" or "url"')
+    if oauth := set(entry) & OAUTH_KEYS:
+        raise UsageError(f'{where}: OAuth ("{min(oauth)}") needs a sign-in in a browser, which a batch run cannot do; '
+                         'pass a token through "headers" instead, e.g. {"Authorization": "Bearer ${env:TOKEN}"}')
     if unknown := set(entry) - KEYS:
         raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     kind = "command" if "command" in entry else "url"
@@ -60,9 +67,11 @@ def _server(path: str, name: str, entry: object) -> Server:
         raise UsageError(f"{where}: type {entry['type']!r} does not go with {kind!r}")
     if kind == "url":
         url = entry["url"]
-        if not isinstance(url, str) or not re.match(r"https?://[^/]", url) or set(entry) - {"url", "type"}:
-            raise UsageError(f'{where}: "url" must be an http(s) URL, alone')
-        return Server(name, url=url, sse=entry.get("type") == "sse")
+        if not isinstance(url, str) or not re.match(r"https?://[^/]", url) or set(entry) - {"url", "type", "headers"}:
+            raise UsageError(f'{where}: "url" must be an http(s) URL, with only "type" and "headers" beside it')
+        return Server(name, url=url, sse=entry.get("type") == "sse", headers=_headers(where, entry.get("headers", {})))
+    if "headers" in entry:
+        raise UsageError(f'{where}: "headers" go with "url" (a command server gets "env")')
     command, args, env = entry["command"], entry.get("args", []), entry.get("env", {})
     if not isinstance(command, str) or not command:
         raise UsageError(f'{where}: "command" must be a non-empty string')
@@ -71,3 +80,22 @@ def _server(path: str, name: str, entry: object) -> Server:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise UsageError(f'{where}: "env" must map names to strings')
     return Server(name, command, tuple(args), tuple(env.items()))
+
+
+def _headers(where: str, headers: object) -> tuple[tuple[str, str], ...]:
+    """The headers with each ${env:NAME} replaced by that variable's value. The values are never
+    quoted in an error: they are secrets."""
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
+                                                for k, v in headers.items()):
+        raise UsageError(f'{where}: "headers" must map names to strings')
+
+    def value(key: str, text: str) -> str:
+        def variable(match: re.Match) -> str:
+            if match[1] not in os.environ:
+                raise UsageError(f"{where}: header {key} names ${{env:{match[1]}}}, which is not set")
+            return os.environ[match[1]]
+        filled = ENV_REFERENCE.sub(variable, text)
+        if any(ch in filled for ch in "\r\n\0"):
+            raise UsageError(f"{where}: the value of header {key} holds a line break or NUL")
+        return filled
+    return tuple((key, value(key, text)) for key, text in headers.items())
