@@ -8,7 +8,8 @@ server or workers, so it takes a fraction of a second instead of about four.
 
 What a process would give each run is set up for the call and undone after it: the working directory,
 the environment, `sys.argv`, stdout and stderr (and the consoles that print to them), and the run
-directory's lock, which the kernel releases when a runner exits.
+directory's lock, which the kernel releases when a runner exits. TRAJGEN_DEBUG=1 in the environment
+lets a bug's traceback reach pytest, where the CLI prints one line.
 """
 from __future__ import annotations
 
@@ -129,17 +130,26 @@ def _exit_status(exit: SystemExit, stderr: io.StringIO) -> int:
 
 
 @contextlib.contextmanager
-def _run_dir_locks_released(under: Path):
-    """Close the locks of the run directories under `under` taken inside, as a runner's exit does: the next
-    run may take them."""
+def _run_dir_locks_released(under: Path) -> Iterator[None]:
+    """Close the run directory locks under `under` that the body takes, as a runner's exit does: the
+    next run may take them. A lock the test holds itself (another runner, say) stays held."""
+    held = _run_dir_locks(under)
     try:
         yield
     finally:
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):  # the listing's own fd, gone already
-                target = Path(os.readlink(f"/proc/self/fd/{fd}"))
-                if target.name == store.LOCK and target.is_relative_to(under):
-                    os.close(int(fd))
+        for fd, _ in _run_dir_locks(under).items() - held.items():
+            os.close(fd)
+
+
+def _run_dir_locks(under: Path) -> dict[int, Path]:
+    """This process's open files of run directory locks under `under`, by fd."""
+    locks = {}
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, gone already
+            target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            if target.name == store.LOCK and target.is_relative_to(under):
+                locks[int(fd)] = target
+    return locks
 
 
 class InlinePool:
