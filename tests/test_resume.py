@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
-from tests.support.inline import when
+from tests.support.inline import interrupt, when
 from trajgen.sandbox.roots import private_base
 
 
@@ -15,7 +14,7 @@ def _prompts(rows: list[dict]) -> list[str]:
 
 
 def _rows(run_dir) -> int:
-    return sum(1 for p in run_dir.glob("batch_*.jsonl") for _ in p.open())
+    return sum(len(p.read_bytes().splitlines()) for p in run_dir.glob("batch_*.jsonl"))
 
 
 def _wait_for_rows(run_dir, count: int, timeout: float = 60) -> None:
@@ -144,23 +143,21 @@ def test_401_stops_the_whole_run(inline, scripted_server):
     assert read_jsonl(inline.run_dir() / "trajectories.jsonl") == []
 
 
-def test_sigint_mid_run_then_resume(cli, scripted_server, tmp_path):
+def test_sigint_mid_run_then_resume(inline, scripted_server):
     server = scripted_server({"default": [{**call("terminal", command="sleep 0.2; echo hi"), "delay": 0.1}, think()]})
     names = [f"prompt {i}" for i in range(30)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
-    _wait_for_rows(cli.run_dir(), 6)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr
-    assert "--resume" in stderr
-    checkpoint = json.loads((cli.run_dir() / "checkpoint.json").read_text())
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    with when(lambda: _rows(inline.run_dir()) >= 6, interrupt):
+        stopped = inline.run(*inline.args(server, batch_size=5, concurrency=4))
+    assert stopped.returncode == 130, stopped.stderr
+    assert "--resume" in stopped.stderr
+    checkpoint = json.loads((inline.run_dir() / "checkpoint.json").read_text())
     assert checkpoint["remaining_this_invocation"] > 0
-    landed = _landed_prompts(cli.run_dir())
+    landed = _landed_prompts(inline.run_dir())
     before = len(server.requests())
-    done = cli.run(*cli.args(server, batch_size=5, concurrency=4, resume=True))
+    done = inline.run(*inline.args(server, batch_size=5, concurrency=4, resume=True))
     assert done.returncode == 0, done.stderr
-    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+    assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == sorted(names)
     assert not {r["prompt"] for r in server.requests()[before:]} & landed
 
 
