@@ -17,13 +17,10 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.test_resume import _rows
 
 # the model answers at once and the tool takes a second: at a stop, prompts are in their tools, not in a call
 SLOW_TOOL = [call("terminal", command="sleep 1; echo hi"), think()]
-
-
-def _rows(run_dir) -> int:
-    return sum(1 for p in run_dir.glob("batch_*.jsonl") for _ in p.open())
 
 
 def _wait_for(predicate, timeout: float = 60, what: str = "condition") -> None:
