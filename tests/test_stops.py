@@ -114,7 +114,8 @@ def test_sigterm_during_retries_against_a_dead_endpoint_prints_the_summary_and_t
 
 
 def test_the_spend_stop_line_states_what_the_table_and_statistics_say_was_paid(cli, scripted_server):
-    # each prompt costs $0.01, a failed one too; six in flight when the limit is reached all finish and are paid
+    # each prompt costs $0.01, a failed one too; the limit cancels the prompts in flight, and whether one of
+    # them was paid before the cancel reached it is a race (test_core_scheduler pins that case down)
     server = scripted_server({"default": [{"content": "x", "reasoning": "r", "usage": {"cost": 0.01}, "delay": 0.3}],
                               "match": [{"contains": "bad", "replies": [{"message": {"role": "assistant", "content": 5},
                                                                         "usage": {"cost": 0.01}}]}]})
@@ -125,6 +126,6 @@ def test_the_spend_stop_line_states_what_the_table_and_statistics_say_was_paid(c
     assert stated, done.stderr
     table = re.search(r"│ cost\s+│\s+\$(\d+\.\d{4}) │", done.stdout)
     statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
-    assert float(stated[1]) > 0.01  # the prompts in flight at the limit were paid too
+    assert float(stated[1]) >= 0.01
     assert stated[1] == table[1] == f"{statistics['cost']:.4f}"
     assert int(stated[2]) == statistics["tokens"]["prompt"] + statistics["tokens"]["completion"]
