@@ -32,17 +32,20 @@ class EventReader:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         else:
             self._cr = False
-        start = max(0, len(self._buffer) - 1)
-        self._buffer += data
-        if self._buffer.find(b"\n\n", start) < 0:
-            return []
-        *events, rest = self._buffer.split(b"\n\n")
-        self._buffer = bytearray(rest)
+        if self._buffer:  # an event begun in an earlier read: only the new bytes can hold its end
+            start = len(self._buffer) - 1
+            self._buffer += data
+            if self._buffer.find(b"\n\n", start) < 0:
+                return []
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        *events, rest = data.split(b"\n\n")
+        self._buffer += rest
         found = []
         for event in events:
             lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if lines:
-                found.append(bytes(b"\n".join(lines)))
+                found.append(b"\n".join(lines))
         return found
 
 
