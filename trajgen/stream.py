@@ -62,6 +62,11 @@ class Assembly:
     provider: object = None
     done: bool = False  # `data: [DONE]` arrived
 
+    @property
+    def ended(self) -> bool:
+        """`data: [DONE]` or a finish reason came: nothing but the usage is to follow."""
+        return self.done or self.finish_reason is not None
+
     def add(self, data: bytes) -> bool:
         """Take one event's data; True when it carried part of the answer."""
         if data == b"[DONE]":
