@@ -171,9 +171,9 @@ async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> 
 
 
 def _pause_reading(response: aiohttp.ClientResponse, seconds: float) -> asyncio.TimerHandle | None:
-    """Leave the socket unread for `seconds`: the chunks that arrive meanwhile wait in the kernel and
-    come in one read, one wake-up of the loop and of aiohttp instead of one each (bench/RESULTS.md).
-    The timer that resumes it, to be cancelled if the call ends first."""
+    """Leave the connection unread for `seconds`: the chunks that arrive meanwhile wait in the kernel
+    (over TLS, in its layer) and are handed on at once, one wake-up of aiohttp and of this call
+    instead of one each (bench/RESULTS.md). The timer that resumes it, to cancel if the call ends first."""
     transport = response.connection.transport if response.connection is not None else None
     if transport is None:
         return None
