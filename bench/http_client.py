@@ -11,10 +11,11 @@ CPU is this process's own (time.process_time), the scripted server running as an
                the body a 3-turn conversation sends, each answer parsed into a Completion:
                trajgen/transport.py (the client before, from git 35a4771) with chat_calls.parse_completion;
                chat_calls.Endpoint (aiohttp, the client after) with --stream=False and with the default
-               --stream and a one-chunk reply; httpx 0.28 reading and parsing the same way.
-  per chunk    8 streams of a 1,000-token reply sent as 1,000 chunks at once, each chunk written 1 ms
-               apart (so that each is read on its own, as a provider's tokens are), assembled by
-               trajgen/stream.py: chat_calls.Endpoint (aiohttp), and httpx reading the same events.
+               --stream and a one-chunk reply; httpx reading and parsing the same way.
+  per chunk    8 streams of a 1,000-token reply sent as 1,000 chunks at once, each chunk its own write,
+               1 ms apart, assembled by trajgen/stream.py: chat_calls.Endpoint (aiohttp), and httpx
+               reading the same events; then chat_calls.Endpoint at a provider's pace, 32 streams at
+               once of 100 and 30 chunks a second (300 and 100 chunks each).
   w2000        W(2000) at C=256 without a sandbox, before and after, in alternating pairs.
   memory       the CLI, --num_workers=4 --concurrency=4, 4 prompts, every reply 300 MB: a body of
                declared length, a chunked body, and one event that never ends; peak RSS (VmHWM)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -138,7 +140,8 @@ def clients(url: str, width: int, streamed_reply: bool) -> dict:
             client.close()
         return one, close
 
-    after = {"aiohttp (chat_calls.Endpoint, after)": endpoint, "httpx 0.28 (same reading)": httpx_client}
+    after = {"aiohttp (chat_calls.Endpoint, after)": endpoint,
+             f"httpx {importlib.metadata.version('httpx')} (same reading)": httpx_client}
     return after if streamed_reply else {f"transport.py ({BEFORE}, before)": before, **after}
 
 
@@ -157,16 +160,21 @@ def part_cpu(repeats: int) -> list[str]:
     finally:
         proc.terminate()
         proc.wait()
-    proc, url = start_server({"default": [{"content": "t" * 1000, "pieces": 1, "chunk_delay": 0.001}]})
-    try:
-        for name, make in clients(url, 8, True).items():
-            runs = [cpu_of(make, 8, 8) / 1000 * 1e6 for _ in range(repeats)]
-            lines.append(f"| per chunk, 1,000-chunk reply | {name} | {statistics.median(runs):.1f} µs | "
-                         f"{', '.join(f'{r:.1f}' for r in runs)} |")
-            print(lines[-1], flush=True)
-    finally:
-        proc.terminate()
-        proc.wait()
+    for chunks, delay, width, label in ((1000, 0.001, 8, "1,000-chunk reply, 1 ms apart, 8 at once"),
+                                        (300, 0.01, 32, "100 chunks/s, 32 at once"),
+                                        (100, 0.033, 32, "30 chunks/s, 32 at once")):
+        proc, url = start_server({"default": [{"content": "t" * chunks, "pieces": 1, "chunk_delay": delay}]})
+        try:
+            for name, make in clients(url, width, True).items():
+                if name.startswith("httpx") and width != 8:
+                    continue
+                runs = [cpu_of(make, width, width) / chunks * 1e6 for _ in range(repeats)]
+                lines.append(f"| per chunk, {label} | {name} | {statistics.median(runs):.1f} µs | "
+                             f"{', '.join(f'{r:.1f}' for r in runs)} |")
+                print(lines[-1], flush=True)
+        finally:
+            proc.terminate()
+            proc.wait()
     return lines
 
 

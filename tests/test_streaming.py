@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import arun
-from trajgen import chat_calls, errors
+from trajgen import chat_calls, errors, stream
 from trajgen.task import ModelSettings
 
 TOOL = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
@@ -97,6 +97,20 @@ def test_a_stall_is_named_and_a_cut_stream_is_a_connection_error(scripted_server
     (cut,), _ = _call(_settings(server), "cut")
     assert type(cut) is errors.APIConnectionError
 
+
+
+def test_a_trickling_stream_is_read_in_batches_that_never_look_like_a_stall(scripted_server, monkeypatch):
+    """Chunks 5 ms apart are read a tenth of a second's worth at a time (one wake-up for many chunks);
+    a pause between reads stays within half of --stall_timeout, however long a batch would be."""
+    reads = []
+    feed = stream.EventReader.feed
+    monkeypatch.setattr(stream.EventReader, "feed", lambda self, data: reads.append(data) or feed(self, data))
+    server = scripted_server({"default": [{"content": "z" * 200, "pieces": 1, "chunk_delay": 0.005}]})
+    (batched,), _ = _call(_settings(server))
+    assert batched.message["content"] == "z" * 200 and len(reads) < 50
+    monkeypatch.setattr(chat_calls, "BATCH_SECONDS", 5.0)
+    (capped,), stalls = _call(_settings(server, stall_timeout=1.0))
+    assert capped.message["content"] == "z" * 200 and not stalls
 
 def test_a_reply_over_the_cap_fails_at_once_streamed_or_not(scripted_server):
     big = "x" * (3 << 20)

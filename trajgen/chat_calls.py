@@ -41,6 +41,8 @@ OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just thi
 CONNECT_TIMEOUT = 10.0  # seconds to connect, TLS handshake and proxy tunnel included (the openai SDK allows 5)
 ERROR_BODY_LIMIT = 1 << 16  # bytes of a non-2xx body kept for its message
 BOM = b"\xef\xbb\xbf"
+BATCH_SECONDS = 0.1  # a trickling stream's socket is read at most this often once its first token is in
+FAST_READ = 1 << 16  # a read this large: the reply is flowing fast, not trickling, and is read without a pause
 
 
 class Stalled(TimeoutError):
@@ -143,7 +145,8 @@ async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = F
 
 async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> tuple[Completion, float | None]:
     """A streamed reply assembled (stream.py), and when its first token came."""
-    reader, assembly, size, first_token = stream.EventReader(), stream.Assembly(), 0, None
+    reader, assembly, size, first_token, resume = stream.EventReader(), stream.Assembly(), 0, None, None
+    pause = min(BATCH_SECONDS, settings.stall_timeout / 2)  # never long enough to look like a stall
     try:
         async for piece in response.content.iter_any():
             size += len(piece)
@@ -152,12 +155,30 @@ async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> 
             for data in reader.feed(piece):
                 if assembly.add(data) and first_token is None:
                     first_token = time.monotonic()
+            if first_token is not None and len(piece) < FAST_READ and not assembly.ended:
+                if resume is not None:  # fired already, unless aiohttp resumed reading itself (a compressed body)
+                    resume.cancel()
+                resume = _pause_reading(response, pause)
     except aiohttp.SocketTimeoutError:
         if not assembly.done:  # complete, and only the end of the body is late: the reply stands
             raise
-    if not assembly.done and assembly.finish_reason is None:
+    finally:
+        if resume is not None:
+            resume.cancel()
+    if not assembly.ended:
         raise APIConnectionError("the stream ended before the reply did")
     return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider), first_token
+
+
+def _pause_reading(response: aiohttp.ClientResponse, seconds: float) -> asyncio.TimerHandle | None:
+    """Leave the connection unread for `seconds`: the chunks that arrive meanwhile wait in the kernel
+    (over TLS, in its layer) and are handed on at once, one wake-up of aiohttp and of this call
+    instead of one each (bench/RESULTS.md). The timer that resumes it, to cancel if the call ends first."""
+    transport = response.connection.transport if response.connection is not None else None
+    if transport is None:
+        return None
+    transport.pause_reading()
+    return asyncio.get_running_loop().call_later(seconds, transport.resume_reading)
 
 
 def too_large(size: int, limit: int) -> ReplyTooLarge:

@@ -32,17 +32,20 @@ class EventReader:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         else:
             self._cr = False
-        start = max(0, len(self._buffer) - 1)
-        self._buffer += data
-        if self._buffer.find(b"\n\n", start) < 0:
-            return []
-        *events, rest = self._buffer.split(b"\n\n")
-        self._buffer = bytearray(rest)
+        if self._buffer:  # an event begun in an earlier read: only the new bytes can hold its end
+            start = len(self._buffer) - 1
+            self._buffer += data
+            if self._buffer.find(b"\n\n", start) < 0:
+                return []
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        *events, rest = data.split(b"\n\n")
+        self._buffer += rest
         found = []
         for event in events:
             lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if lines:
-                found.append(bytes(b"\n".join(lines)))
+                found.append(b"\n".join(lines))
         return found
 
 
@@ -58,6 +61,11 @@ class Assembly:
     model: object = None
     provider: object = None
     done: bool = False  # `data: [DONE]` arrived
+
+    @property
+    def ended(self) -> bool:
+        """`data: [DONE]` or a finish reason came: nothing but the usage is to follow."""
+        return self.done or self.finish_reason is not None
 
     def add(self, data: bytes) -> bool:
         """Take one event's data; True when it carried part of the answer."""
