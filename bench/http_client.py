@@ -15,7 +15,8 @@ CPU is this process's own (time.process_time), the scripted server running as an
   per chunk    8 streams of a 1,000-token reply sent as 1,000 chunks at once, each chunk its own write,
                1 ms apart, assembled by trajgen/stream.py: chat_calls.Endpoint (aiohttp), and httpx
                reading the same events; then chat_calls.Endpoint at a provider's pace, 32 streams at
-               once of 100 and 30 chunks a second (300 and 100 chunks each).
+               once of 100 and 30 chunks a second (300 and 100 chunks each); the same two over TLS (the
+               server's, with a certificate made for the run that SSL_CERT_FILE trusts, as a user's CA).
   w2000        W(2000) at C=256 without a sandbox, before and after, in alternating pairs.
   memory       the CLI, --num_workers=4 --concurrency=4, 4 prompts, every reply 300 MB: a body of
                declared length, a chunked body, and one event that never ends; peak RSS (VmHWM)
@@ -53,14 +54,26 @@ REPLY = {"content": "The answer is 42.", "reasoning": "I ran the command and rea
          "usage": {"prompt_tokens": 900, "completion_tokens": 40}}
 
 
-def start_server(script: dict) -> tuple[subprocess.Popen, str]:
+def start_server(script: dict, tls: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """The scripted server in a process of its own (its CPU not counted); `tls`: ("--tls", CERT, KEY)."""
     path = Path(tempfile.mkdtemp()) / "script.json"
     path.write_text(json.dumps(script))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.scripted_server", "--script", str(path)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.scripted_server", "--script", str(path), *tls], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = proc.stdout.readline()
     assert line.startswith("READY "), line
     return proc, line.split()[1]
+
+
+def certificate() -> tuple[str, ...]:
+    """A self-signed certificate for 127.0.0.1, trusted by the client the way a user trusts a CA of
+    their own (SSL_CERT_FILE, read by chat_calls.trust()); the server's arguments to serve it."""
+    folder = Path(tempfile.mkdtemp())
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(folder / "key.pem"),
+                    "-out", str(folder / "cert.pem")], check=True, capture_output=True)
+    os.environ["SSL_CERT_FILE"] = str(folder / "cert.pem")
+    return "--tls", str(folder / "cert.pem"), str(folder / "key.pem")
 
 
 def old_transport():
@@ -160,10 +173,13 @@ def part_cpu(repeats: int) -> list[str]:
     finally:
         proc.terminate()
         proc.wait()
-    for chunks, delay, width, label in ((1000, 0.001, 8, "1,000-chunk reply, 1 ms apart, 8 at once"),
-                                        (300, 0.01, 32, "100 chunks/s, 32 at once"),
-                                        (100, 0.033, 32, "30 chunks/s, 32 at once")):
-        proc, url = start_server({"default": [{"content": "t" * chunks, "pieces": 1, "chunk_delay": delay}]})
+    tls = certificate()
+    for chunks, delay, width, label, server_args in ((1000, 0.001, 8, "1,000-chunk reply, 1 ms apart, 8 at once", ()),
+                                                     (300, 0.01, 32, "100 chunks/s, 32 at once", ()),
+                                                     (100, 0.033, 32, "30 chunks/s, 32 at once", ()),
+                                                     (300, 0.01, 32, "100 chunks/s, 32 at once, TLS", tls),
+                                                     (100, 0.033, 32, "30 chunks/s, 32 at once, TLS", tls)):
+        proc, url = start_server({"default": [{"content": "t" * chunks, "pieces": 1, "chunk_delay": delay}]}, server_args)
         try:
             for name, make in clients(url, width, True).items():
                 if name.startswith("httpx") and width != 8:

@@ -108,7 +108,8 @@ In process: ``handle = start_server(script, log_path=None, port=0)`` then
 ``scripted_server`` fixture: ``factory(script, log_path=None) -> ServerHandle``.
 
 As a process: ``python -m tests.support.scripted_server --script FILE.json [--log FILE]
-[--port 0] [--latency 0.25]`` prints ``READY http://127.0.0.1:PORT/v1`` once it
+[--port 0] [--latency 0.25] [--tls CERT KEY]`` prints ``READY http://127.0.0.1:PORT/v1``
+(``https://`` with ``--tls``: TLS with that certificate and key, PEM files) once it
 listens and serves until SIGTERM/SIGINT. ``--latency`` overrides the file's value
 (a script later posted to ``/_script`` brings its own latency).
 """
@@ -123,6 +124,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -703,10 +705,10 @@ class HttpServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.port = 0
 
-    async def start(self, port: int = 0) -> int:
+    async def start(self, port: int = 0, tls: ssl.SSLContext | None = None) -> int:
         self._server = await asyncio.start_server(
             self._on_connection, host=HOST, port=port, backlog=4096,
-            limit=STREAM_LIMIT, reuse_address=True)
+            limit=STREAM_LIMIT, reuse_address=True, ssl=tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -951,16 +953,22 @@ if pytest is not None:
 # ----------------------------------------------------------------- process mode
 
 
-async def serve_until_signal(backend: ScriptedBackend, port: int) -> None:
+async def serve_until_signal(backend: ScriptedBackend, port: int, tls: ssl.SSLContext | None = None) -> None:
     http_server = HttpServer(backend)
-    bound = await http_server.start(port)
+    bound = await http_server.start(port, tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"READY http://{HOST}:{bound}/v1", flush=True)
+    print(f"READY {'https' if tls else 'http'}://{HOST}:{bound}/v1", flush=True)
     await stop.wait()
     await http_server.close()
+
+
+def _tls(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -969,13 +977,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", help="append one JSON line per chat request here")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--latency", type=float, help="override the script's latency")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="serve https with this certificate and key")
     args = parser.parse_args(argv)
     script = load_script(args.script) if args.script else {}
     backend = ScriptedBackend(script, args.log, keep_in_memory=False)
     if args.latency is not None:
         backend.set_latency(args.latency)
     try:
-        asyncio.run(serve_until_signal(backend, args.port))
+        asyncio.run(serve_until_signal(backend, args.port, _tls(*args.tls) if args.tls else None))
     finally:
         backend.close()
     return 0
