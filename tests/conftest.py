@@ -1,4 +1,5 @@
-"""Shared test helpers: run the real CLI as a subprocess against the loopback scripted server.
+"""Shared test helpers: run the real CLI as a subprocess (`cli`), or in this process (`inline`:
+tests/support/inline.py), against the loopback scripted server.
 
 Nothing here is mocked: the model is `tests/support/scripted_server.py` on 127.0.0.1, the sandboxes
 are real. Every run's output and HOME live under the test's tmp_path.
@@ -19,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.inline import ROOT, Runs, inline  # noqa: F401  (ROOT: public name; inline: fixture)
 from tests.support.scripted_server import scripted_server  # noqa: F401  (fixture)
-
-ROOT = Path(__file__).resolve().parent.parent
-SECRET_ENV = ("OPENROUTER_API_KEY", "OPENAI_API_KEY", "TERMINAL_ENV")
 
 
 # One event loop for the whole session, as a worker has one: a sandbox's command loop lives across
@@ -73,21 +72,8 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class CLI:
+class CLI(Runs):
     """`python batch_runner.py ...` in tmp_path, with a clean environment."""
-
-    def __init__(self, tmp_path: Path):
-        self.cwd = tmp_path
-        self.env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        self.env["HOME"] = str(tmp_path / "home")
-        (tmp_path / "home").mkdir(exist_ok=True)
-
-    def args(self, server, run_name: str = "run", **flags) -> list[str]:
-        base = {"dataset_file": "prompts.jsonl", "run_name": run_name, "base_url": server.url, "api_key": "dummy-key",
-                "model": "test-model", "num_workers": 2, "concurrency": 8, "distribution": "terminal_only",
-                "max_retries": 1}
-        base.update(flags)
-        return [f"--{k}={v}" if v is not True else f"--{k}" for k, v in base.items() if v is not None]
 
     def command(self, *args: str) -> list[str]:
         return [sys.executable, str(ROOT / "batch_runner.py"), *args]
@@ -99,9 +85,6 @@ class CLI:
     def start(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen(self.command(*args), cwd=self.cwd, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-    def run_dir(self, run_name: str = "run") -> Path:
-        return self.cwd / "data" / run_name
 
 
 @pytest.fixture

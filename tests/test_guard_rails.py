@@ -6,45 +6,45 @@ import pytest
 from tests.conftest import read_jsonl, think, write_jsonl
 
 
-def test_export_of_a_missing_run_is_a_usage_error(cli):
-    done = cli.run("--export=openai", "--run_name=nothing")
+def test_export_of_a_missing_run_is_a_usage_error(inline):
+    done = inline.run("--export=openai", "--run_name=nothing")
     assert done.returncode == 2 and "no finished run" in done.stderr
-    bad = cli.run("--export=csv", "--run_name=nothing")
+    bad = inline.run("--export=csv", "--run_name=nothing")
     assert bad.returncode == 2 and "hf, openai, sharegpt, hermes, parquet" in bad.stderr
 
 
-def test_dry_run_sends_one_tiny_request_and_writes_nothing(cli, scripted_server):
+def test_dry_run_sends_one_tiny_request_and_writes_nothing(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(25)])
-    done = cli.run(*cli.args(server, dry_run=True, batch_size=10, distribution="development"))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(25)])
+    done = inline.run(*inline.args(server, dry_run=True, batch_size=10, distribution="development"))
     assert done.returncode == 0, done.stderr
     assert len(server.requests()) == 1 and server.requests()[0]["body"]["max_tokens"] == 1
     assert "25 (0 already done)" in done.stdout and "25 to 275" in done.stdout
     assert "terminal" in done.stdout and "answers" in done.stdout
-    assert not (cli.cwd / "data").exists()
+    assert not (inline.cwd / "data").exists()
 
 
-def test_dry_run_reports_a_broken_endpoint(cli, scripted_server):
+def test_dry_run_reports_a_broken_endpoint(inline, scripted_server):
     server = scripted_server({"default": [{"status": 404, "error": "no such model"}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    done = cli.run(*cli.args(server, dry_run=True))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    done = inline.run(*inline.args(server, dry_run=True))
     assert done.returncode == 1 and "NotFoundError" in done.stdout
 
 
 @pytest.mark.parametrize("limit", ["max_cost=1.0", "max_total_tokens=60"])
-def test_spend_limit_stops_admitting_and_leaves_a_resumable_run(cli, scripted_server, limit):
+def test_spend_limit_stops_admitting_and_leaves_a_resumable_run(inline, scripted_server, limit):
     # each prompt costs $0.25 and 15 tokens; one conversation at a time makes the stop point exact
     server = scripted_server({"default": [{"content": "x", "reasoning": "r", "usage": {"cost": 0.25}}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
     name, value = limit.split("=")
-    done = cli.run(*cli.args(server, num_workers=1, concurrency=1, **{name: value}))
+    done = inline.run(*inline.args(server, num_workers=1, concurrency=1, **{name: value}))
     assert done.returncode == 3, done.stderr
     assert f"--{name}={value} reached" in done.stderr and "--resume" in done.stderr
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 4 and len(server.requests()) == 4
-    resumed = cli.run(*cli.args(server, num_workers=1, concurrency=1, resume=True))
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 4 and len(server.requests()) == 4
+    resumed = inline.run(*inline.args(server, num_workers=1, concurrency=1, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(r["prompt"] for r in server.requests()) == sorted(f"p{i}" for i in range(10))
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 10
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 10
 
 
 def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them(cli, scripted_server):

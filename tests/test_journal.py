@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
+from tests.support.inline import interrupt, when
 from tests.test_hardening import _asked, _wait_for
 from trajgen import journal, store
 from trajgen.messages import Finished, Replied, without_landed_replies
@@ -110,40 +111,41 @@ def test_kill_9_mid_conversation_then_resume_pays_no_reply_twice(cli, scripted_s
     assert _comparable(cli.run_dir()) == _comparable(cli.run_dir("clean"))
 
 
-def test_a_changed_tool_result_continues_live_from_the_first_differing_request(cli, scripted_server):
+def test_a_changed_tool_result_continues_live_from_the_first_differing_request(inline, scripted_server):
     # the first tool call outlives --command_timeout=1 on resume: its result, and every request after it, differ
     server = scripted_server({"prompts": {"p": [
         _turn("sleep 2 && echo slow", "c0"), _turn("echo one", "c1"), _turn("echo two", "c2", gate="held"),
         think("done")]}})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    first = cli.start(*cli.args(server, command_timeout=60))
-    _wait_for(lambda: _asked(server)[("p", 2)] == 1 and sum(_journaled(cli.run_dir()).values()) == 2)
-    kill_group(first)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    held = lambda: _asked(server)[("p", 2)] == 1 and sum(_journaled(inline.run_dir()).values()) == 2  # noqa: E731
+    with when(held, interrupt):
+        first = inline.run(*inline.args(server, command_timeout=60))
+    assert first.returncode == 130, first.stderr
     before = server.requests()
     server.open_gate("held")
-    done = cli.run(*cli.args(server, command_timeout=1, resume=True))
+    done = inline.run(*inline.args(server, command_timeout=1, resume=True))
     assert done.returncode == 0, done.stderr
     resumed = server.requests()[len(before):]
     assert [r["turn"] for r in resumed] == [1, 2, 3]  # turn 0 replayed, the rest sent for real
     tool_result = [m for m in resumed[0]["body"]["messages"] if m["role"] == "tool"][0]["content"]
     assert "slow" not in tool_result and "slow" in [m for m in before[1]["body"]["messages"] if m["role"] == "tool"][0]["content"]
-    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    row = read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]
     assert row["metadata"]["usage"]["replayed"]["turns"] == 1 and row["api_calls"] == 4
 
 
-def test_the_cache_answers_a_second_run_without_a_call(cli, scripted_server, tmp_path):
+def test_the_cache_answers_a_second_run_without_a_call(inline, scripted_server, tmp_path):
     server = scripted_server(_script() | {"prompts": {n: r for n, r in _script()["prompts"].items() if n not in GATED}})
     names = [n for n in PROMPTS if n not in GATED] + ["p0"]  # a prompt repeated for another sample pays for its own
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     cache = tmp_path / "cache"
-    assert cli.run(*cli.args(server, cache_dir=cache)).returncode == 0
+    assert inline.run(*inline.args(server, cache_dir=cache)).returncode == 0
     paid = len(server.requests())
     assert paid == 4 * len(names)
-    again = cli.run(*cli.args(server, run_name="again", cache_dir=cache))
+    again = inline.run(*inline.args(server, run_name="again", cache_dir=cache))
     assert again.returncode == 0, again.stderr
     assert len(server.requests()) == paid
-    assert _comparable(cli.run_dir()) == _comparable(cli.run_dir("again"))
-    changed = cli.run(*cli.args(server, run_name="hotter", cache_dir=cache, temperature=0.5))
+    assert _comparable(inline.run_dir()) == _comparable(inline.run_dir("again"))
+    changed = inline.run(*inline.args(server, run_name="hotter", cache_dir=cache, temperature=0.5))
     assert changed.returncode == 0 and len(server.requests()) == 2 * paid  # another setting: nothing reused
 
 
@@ -224,17 +226,17 @@ def test_a_settled_batch_file_is_read_by_the_prefix_store_writes_whatever_the_ro
         {"prompt_key": "a", "model": "m"}, {"prompt_key": "b", "model": "m"}]
 
 
-def test_one_reply_larger_than_the_cache_is_not_stored_and_the_others_stay(cli, scripted_server, tmp_path):
+def test_one_reply_larger_than_the_cache_is_not_stored_and_the_others_stay(inline, scripted_server, tmp_path):
     big = "x" * (3 * 2**19)  # 1.5 MB: larger than the whole cache of --cache_max_mb=1
     server = scripted_server({"default": [think()], "prompts": {"big": [think(big)]}})
     names = ["big", *(f"small {i}" for i in range(8))]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     cache = tmp_path / "cache"
-    first = cli.run(*cli.args(server, cache_dir=cache, cache_max_mb=1))
+    first = inline.run(*inline.args(server, cache_dir=cache, cache_max_mb=1))
     assert first.returncode == 0, first.stderr
     assert first.stderr.count("larger than the whole cache (--cache_max_mb=1)") == 1  # two workers, said once
     assert len(list(cache.glob("??/*.json"))) == 8
-    again = cli.run(*cli.args(server, run_name="again", cache_dir=cache, cache_max_mb=1))
+    again = inline.run(*inline.args(server, run_name="again", cache_dir=cache, cache_max_mb=1))
     assert again.returncode == 0, again.stderr
     assert [r["prompt"] for r in server.requests()[len(names):]] == ["big"]  # the small replies came from the cache
 
@@ -253,39 +255,39 @@ def test_the_trim_deletes_the_least_recently_used_entries_down_to_the_limit(tmp_
     assert sorted(p.name for p in tmp_path.glob("??/*.json")) == sorted(cache.path(k, "h").name for k in ("newest", "old"))
 
 
-def test_a_read_only_cache_is_used_and_said_once_not_refused(cli, scripted_server, tmp_path):
+def test_a_read_only_cache_is_used_and_said_once_not_refused(inline, scripted_server, tmp_path):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
     cache = tmp_path / "cache"
     cache.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(cache)], capture_output=True, text=True)
     if mounted.returncode:
         pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
     try:
-        done = cli.run(*cli.args(server, cache_dir=cache))
+        done = inline.run(*inline.args(server, cache_dir=cache))
     finally:
         subprocess.run(["umount", "-l", str(cache)], check=True)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(f"--cache_dir {cache} cannot be written (Read-only file system)") == 1
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 6
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 6
 
 
-def test_an_unreadable_journal_line_is_said_once_and_its_reply_asked_again(cli, scripted_server):
+def test_an_unreadable_journal_line_is_said_once_and_its_reply_asked_again(inline, scripted_server):
     refused = {"status": 400, "error": "refused", "times": 1, "then": think()}
     server = scripted_server({"default": [_turn("echo a", "a-c0"), refused]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
-    failed = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    failed = inline.run(*inline.args(server))
     assert failed.returncode == 1, failed.stderr  # each prompt failed after one paid reply, which is journaled
-    entries = (cli.run_dir() / store.JOURNAL).read_bytes().splitlines(keepends=True)
+    entries = (inline.run_dir() / store.JOURNAL).read_bytes().splitlines(keepends=True)
     assert len(entries) == 2
-    (cli.run_dir() / store.JOURNAL).write_bytes(b"not json\n" + entries[1] + entries[0][:40])  # damaged, kept, torn
+    (inline.run_dir() / store.JOURNAL).write_bytes(b"not json\n" + entries[1] + entries[0][:40])  # damaged, kept, torn
     before = len(server.requests())
-    resumed = cli.run(*cli.args(server, resume=True))
+    resumed = inline.run(*inline.args(server, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr.count("journal.jsonl has 2 unreadable line(s)") == 1
     assert "will be asked for, and paid for, again" in resumed.stderr
     asked = sorted((r["prompt"], r["turn"]) for r in server.requests()[before:])
-    kept = {f["prompt_key"]: "ab"[f["prompt_index"]] for f in read_jsonl(cli.run_dir() / "failures.jsonl")}[
+    kept = {f["prompt_key"]: "ab"[f["prompt_index"]] for f in read_jsonl(inline.run_dir() / "failures.jsonl")}[
         json.loads(entries[1])["key"]]
     damaged = ({"a", "b"} - {kept}).pop()
     assert asked == sorted([(damaged, 0), (damaged, 1), (kept, 1)])

@@ -21,42 +21,42 @@ FORMS = {
 }
 
 
-def _stats(cli) -> dict:
-    return json.loads((cli.run_dir() / "statistics.json").read_text())
+def _stats(runs) -> dict:
+    return json.loads((runs.run_dir() / "statistics.json").read_text())
 
 
-def test_reasoning_in_every_form_is_captured_as_one_leading_think(cli, scripted_server):
+def test_reasoning_in_every_form_is_captured_as_one_leading_think(inline, scripted_server):
     server = scripted_server({"prompts": {name: [reply] for name, reply in FORMS.items()}})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": name} for name in FORMS])
-    done = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": name} for name in FORMS])
+    done = inline.run(*inline.args(server))
     assert done.returncode == 0, done.stderr
-    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
     assert len(rows) == len(FORMS)
     for i, name in enumerate(FORMS, 1):
         assert rows[name]["conversations"][-1]["value"] == f"<think>\nR{i}\n</think>\nanswer"
-    assert _stats(cli)["reasoning_statistics"]["coverage_percent"] == 100.0
+    assert _stats(inline)["reasoning_statistics"]["coverage_percent"] == 100.0
 
 
-def test_samples_without_reasoning_are_discarded_counted_and_not_redone(cli, scripted_server):
+def test_samples_without_reasoning_are_discarded_counted_and_not_redone(inline, scripted_server):
     server = scripted_server({"prompts": {"plain": [{"content": "no thoughts"}]},
                               "default": [{"content": "ok", "reasoning": "thought"}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "plain"}, {"prompt": "thinks"}])
-    done = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "plain"}, {"prompt": "thinks"}])
+    done = inline.run(*inline.args(server))
     assert done.returncode == 0, done.stderr
-    assert [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")] == ["thinks"]
-    discarded = read_jsonl(cli.run_dir() / "discarded.jsonl")
+    assert [r["conversations"][1]["value"] for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")] == ["thinks"]
+    discarded = read_jsonl(inline.run_dir() / "discarded.jsonl")
     assert [(d["reason"], d["row"]["conversations"][1]["value"]) for d in discarded] == [("no_reasoning", "plain")]
-    stats = _stats(cli)
+    stats = _stats(inline)
     assert stats["discarded"] == {"total": 1, "by_reason": {"no_reasoning": 1}}
     # the discarded sample's turn is in the denominator: coverage is 1 of 2, not 100%
     assert stats["reasoning_statistics"] == {"total_assistant_turns": 2, "turns_with_reasoning": 1,
                                              "turns_without_reasoning": 1, "coverage_percent": 50.0}
     before = len(server.requests())
-    assert cli.run(*cli.args(server, resume=True)).returncode == 0
+    assert inline.run(*inline.args(server, resume=True)).returncode == 0
     assert len(server.requests()) == before
-    kept = cli.run(*cli.args(server, run_name="keep", require_reasoning=False))
+    kept = inline.run(*inline.args(server, run_name="keep", require_reasoning=False))
     assert kept.returncode == 0
-    assert len(read_jsonl(cli.run_dir("keep") / "trajectories.jsonl")) == 2
+    assert len(read_jsonl(inline.run_dir("keep") / "trajectories.jsonl")) == 2
 
 
 def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(cli, scripted_server):
@@ -84,15 +84,15 @@ def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(cli, scr
     assert len(read_jsonl(cli.run_dir("keep") / "trajectories.jsonl")) == 2
 
 
-def test_statistics_of_a_resumed_run_cover_both_parts(cli, scripted_server):
+def test_statistics_of_a_resumed_run_cover_both_parts(inline, scripted_server):
     server = scripted_server({"default": [call("terminal", command="true"), {"content": "x", "reasoning": "r",
                                                                               "usage": {"cost": 0.25}}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
-    assert cli.run(*cli.args(server)).returncode == 0
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("a", "b", "c")])
-    assert cli.run(*cli.args(server, resume=True)).returncode == 0
-    stats = _stats(cli)
-    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert inline.run(*inline.args(server)).returncode == 0
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in ("a", "b", "c")])
+    assert inline.run(*inline.args(server, resume=True)).returncode == 0
+    stats = _stats(inline)
+    rows = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert stats["ok"] == len(rows) == 3 and stats["total_prompts"] == 3
     assert stats["tool_statistics"]["terminal"]["count"] == sum(r["tool_stats"]["terminal"]["count"] for r in rows) == 3
     assert stats["api_calls"] == sum(r["api_calls"] for r in rows) == 6
@@ -101,29 +101,29 @@ def test_statistics_of_a_resumed_run_cover_both_parts(cli, scripted_server):
     assert stats["duration_seconds_total"] > stats["duration_seconds"]
 
 
-def test_reasoning_effort_ephemeral_prompt_and_prefill_reach_the_request_only(cli, scripted_server):
+def test_reasoning_effort_ephemeral_prompt_and_prefill_reach_the_request_only(inline, scripted_server):
     server = scripted_server({"default": [{"content": "x", "reasoning": "r"}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
-    (cli.cwd / "prefill.json").write_text(json.dumps([{"role": "user", "content": "hi"},
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    (inline.cwd / "prefill.json").write_text(json.dumps([{"role": "user", "content": "hi"},
                                                       {"role": "assistant", "content": "hello"}]))
-    done = cli.run(*cli.args(server, reasoning_effort="high", ephemeral_system_prompt="SECRET-STEER",
+    done = inline.run(*inline.args(server, reasoning_effort="high", ephemeral_system_prompt="SECRET-STEER",
                              prefill_messages_file="prefill.json"))
     assert done.returncode == 0, done.stderr
     body = server.requests()[0]["body"]
     assert body["reasoning_effort"] == "high"
     assert "SECRET-STEER" in body["messages"][0]["content"]
     assert [m["content"] for m in body["messages"][1:]] == ["hi", "hello", "a"]
-    text = (cli.run_dir() / "trajectories.jsonl").read_text()
+    text = (inline.run_dir() / "trajectories.jsonl").read_text()
     assert "SECRET-STEER" not in text and "hello" not in text
     row = json.loads(text)
     assert row["conversations"][0]["value"] == batch_runner.DEFAULT_SYSTEM_PROMPT
 
 
-def test_bad_prefill_file_is_a_usage_error(cli, scripted_server):
+def test_bad_prefill_file_is_a_usage_error(inline, scripted_server):
     server = scripted_server({})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
-    (cli.cwd / "prefill.json").write_text('{"role": "user"}')
-    done = cli.run(*cli.args(server, prefill_messages_file="prefill.json"))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    (inline.cwd / "prefill.json").write_text('{"role": "user"}')
+    done = inline.run(*inline.args(server, prefill_messages_file="prefill.json"))
     assert done.returncode == 2 and "must be a JSON list" in done.stderr and server.requests() == []
 
 
