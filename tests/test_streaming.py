@@ -76,8 +76,8 @@ def test_an_awkward_stream_assembles_into_the_unstreamed_message(scripted_server
     ({"stream_error": {"after": 2, "status": 400, "error": "bad request"}}, False),
 ])
 def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypatch, fault, retried):
-    monkeypatch.setattr(llm, "BACKOFF_BASE", 0.05)
-    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    monkeypatch.setattr(chat_calls, "BACKOFF_BASE", 0.05)
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"default": [{"content": "a long answer", "pieces": 2, **fault, "times": 1,
                                            "then": {"content": "fine"}}]})
     (result,), stalls = _call(_settings(server, max_retries=1, stall_timeout=0.5))
@@ -199,14 +199,14 @@ def test_gzip_is_decoded(scripted_server):
     "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
 ])
 def test_malformed_lengths_are_connection_errors_retried_as_the_policy_allows(scripted_server, monkeypatch, raw):
-    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"default": [{"raw": raw}]})
     (result,), _ = _call(_settings(server, max_retries=2))
     assert type(result) is errors.APIConnectionError and server.stats()["requests"] == 3
 
 
 def test_a_request_read_and_dropped_is_sent_again_only_as_the_policy_allows(scripted_server, monkeypatch):
-    monkeypatch.setattr(llm, "backoff", lambda previous: 0.05)
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"prompts": {"never": [{"drop": True}],
                                           "once": [{"drop": True, "times": 1, "then": {"content": "ok"}}]}})
     (dropped,), _ = _call(_settings(server), "never")
@@ -235,7 +235,7 @@ def test_stray_bytes_after_a_body_do_not_cost_the_next_answer(scripted_server, t
 
 
 def test_a_tls_handshake_that_never_answers_is_named(monkeypatch):
-    monkeypatch.setattr(llm, "CONNECT_TIMEOUT", 0.5)
+    monkeypatch.setattr(chat_calls, "CONNECT_TIMEOUT", 0.5)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never speaks TLS
     try:
         settings = ModelSettings(model="m", base_url=f"https://127.0.0.1:{silent.getsockname()[1]}/v1", api_key="k",
