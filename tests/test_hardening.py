@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from trajgen import chat_calls, errors, store
+from trajgen.options import RunOptions
 from trajgen.sandbox import cgroups
 from trajgen.task import ModelSettings
 
@@ -310,10 +311,10 @@ def test_resume_removes_the_cgroups_a_killed_runner_left(cli, inline, scripted_s
     server = scripted_server({"default": [call("terminal", command="echo up"), {**think("done"), "gate": "held"}]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(2)])
     args = cli.args(server)
-    before = {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")}
+    run_id = RunOptions(run_name="run", output_dir=str(cli.cwd / "data")).run_id
 
-    def ours() -> set[Path]:
-        return {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")} - before
+    def ours() -> set[Path]:  # this run's groups: other runs on the machine may come and go meanwhile
+        return {d for base in cgroups._bases()[0] for d in base.glob(f"trajgen-{run_id}.*")}
 
     first = cli.start(*args)
     _wait_for(lambda: len(server.requests()) == 4)  # both prompts ran their command and are held
