@@ -236,7 +236,8 @@ def test_404_at_the_start_stops_the_run_and_a_later_one_fails_its_prompt(inline,
     assert len(read_jsonl(inline.run_dir("later") / "trajectories.jsonl")) == 10
 
 
-def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scripted_server):
+def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scripted_server, monkeypatch):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)  # which replies are retried, not how long after
     upstream = {"error": {"message": "Upstream provider returned 502", "code": 502}}
     server = scripted_server({"prompts": {
         "flaky": [{"body": upstream, "times": 2, "then": think()}],
