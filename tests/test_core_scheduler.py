@@ -134,6 +134,29 @@ def test_an_endpoint_out_of_reach_after_answering_another_worker_is_an_ordinary_
     assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "EndpointUnreachable")]
 
 
+def test_what_a_stop_finds_on_its_way_is_recorded_and_paid(tmp_path):
+    """An outcome and a paid reply already on their way when the stop cancelled their prompts: the
+    row is written, the reply journaled (resume does not pay for it again), both are paid."""
+    class Cancelling(AnsweringExecutor):
+        def cancel(self) -> list[Event]:
+            super().cancel()
+            landed, cut = task(0), task(1)
+            reply = Reply({"content": "paid"}, {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.5})
+            return [Finished(decide(landed, row=row(landed, cost=1.0))), Replied(cut.key, 0, "h", reply)]
+
+    executor = Cancelling(lambda t: [], hold=lambda t: True)
+    end = run(tmp_path, 4, executor, concurrency=2,
+              health_check=lambda: "stopped" if len(executor.submitted) == 2 else None)
+    assert executor.cancelled == ["k0", "k1"]
+    assert (end.fatal, end.failed, end.not_run) == ("stopped", 1, 2)
+    assert (end.paid_cost, end.paid_tokens) == (1.5, 20)
+    assert store.scan(tmp_path).done == {"k0"}
+    failures = [json.loads(line) for line in (tmp_path / store.FAILURES).read_text().splitlines()]
+    assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "RunStopped")]
+    assert [(e["key"], e["message"]) for e in store.read_records(tmp_path / store.JOURNAL, [])] == [
+        ("k1", {"content": "paid"})]
+
+
 def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_path):
     executor = AnsweringExecutor(lambda t: [], hold=lambda t: True)
     sched = scheduler.Scheduler(Plan(remaining=3), executor, scheduler.Limits("run", 2, 3), tmp_path, {}, 0.0, 0.0)

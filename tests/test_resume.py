@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import interrupt, when
@@ -26,6 +27,14 @@ def _wait_for_rows(run_dir, count: int, timeout: float = 60) -> None:
     raise AssertionError(f"fewer than {count} rows after {timeout} s")
 
 
+def _holder(root) -> str:
+    """The pid that took the lock of a sandbox root (`root` is the root or its lock file)."""
+    try:
+        return Path(str(root).removesuffix(".lock") + ".lock").read_text().strip()
+    except FileNotFoundError:  # its runner has finished and removed it
+        return ""
+
+
 def _landed_prompts(run_dir) -> set[str]:
     return {r["conversations"][1]["value"] for p in run_dir.glob("batch_*.jsonl")
             for r in read_jsonl(p) if p.read_text().endswith("\n")}
@@ -38,7 +47,8 @@ def test_kill_9_mid_run_then_resume_gives_each_prompt_once(cli, scripted_server)
     before = set(private_base().glob("trajgen-sandboxes-*"))
     process = cli.start(*cli.args(server, batch_size=5, concurrency=4))
     _wait_for_rows(cli.run_dir(), 10)
-    roots = set(private_base().glob("trajgen-sandboxes-*")) - before  # the killed runner's sandbox root and lock
+    roots = {root for root in set(private_base().glob("trajgen-sandboxes-*")) - before  # the killed runner's root and
+             if _holder(root) == str(process.pid)}  # lock (other runs on this machine may make their own meanwhile)
     assert roots
     kill_group(process)  # the parent and its workers, as a machine crash would
     landed = _landed_prompts(cli.run_dir())

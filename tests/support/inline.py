@@ -3,8 +3,8 @@
 Everything but the processes is the CLI's: its argument check, `trajgen.run`, the scheduler, the store,
 the journal, the merge, and the workers' own conversation code (`trajgen.process_pool._Worker`) against
 the loopback scripted server, with real sandboxes. Only the process pool is replaced, by `InlinePool`:
-the workers' conversations on one event loop of this process. A run costs no interpreter, imports, fork
-server or workers, so it takes a fraction of a second instead of about four.
+the workers' conversations on one event loop in a thread of this process. A run costs no interpreter,
+imports, fork server or workers, so it takes a fraction of a second instead of about four.
 
 What a process would give each run is set up for the call and undone after it: the working directory,
 the environment, `sys.argv`, stdout and stderr (and the consoles that print to them), and the run
@@ -17,12 +17,14 @@ import asyncio
 import contextlib
 import io
 import os
+import queue
 import signal
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import pytest
@@ -31,8 +33,8 @@ from rich.console import Console
 import batch_runner
 from trajgen import console, store
 from trajgen import run as run_module
-from trajgen.messages import Event, without_landed_replies
-from trajgen.process_pool import _Worker
+from trajgen.messages import Event, Finished
+from trajgen.process_pool import _Outbox, _Worker
 from trajgen.task import Task, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,63 +155,87 @@ def _run_dir_locks(under: Path) -> dict[int, Path]:
 
 
 class InlinePool:
-    """The process pool's workers (`_Worker`, each its share of the concurrency) as conversations on one
-    event loop, which runs while the scheduler polls: the same code, without processes or pipes."""
+    """The process pool's workers (`_Worker`, each its share of the concurrency, and its `_Outbox`) as
+    conversations on one event loop in a thread of this process: they go on while the scheduler records,
+    as worker processes do; a queue stands for the pipes."""
 
     def __init__(self, num_workers: int, config: WorkerConfig):
         self.num_workers, self.config = num_workers, config
-        self.workers: list[_Worker] = []
-        self.events: list[Event] = []
+        self.workers: dict[_Worker, set[str]] = {}  # -> the keys of its prompts in flight
+        self.submitted: dict[_Worker, list[Task]] = {}  # handed over together at the next poll, as Submits are
+        self.batches: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()  # what the workers' outboxes send
 
     def start(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.arrived = asyncio.Event()
-        self.workers = [_Worker(self.config, self._send) for _ in range(self.num_workers)]
+        self.thread = threading.Thread(target=self.loop.run_forever, name="inline-workers", daemon=True)
+        self.thread.start()
+        self.outboxes = [_Outbox(SimpleNamespace(send=self.batches.put)) for _ in range(self.num_workers)]
+        self.workers = {_Worker(self.config, outbox.send): set() for outbox in self.outboxes}
 
-    def _send(self, event: Event) -> None:
-        self.events.append(event)
-        self.arrived.set()
-
-    def _take(self) -> list[Event]:
-        events, self.events = self.events, []
-        return without_landed_replies(events)  # as a worker's outbox sends them
+    def _in_loop(self, coroutine) -> None:
+        asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     @property
     def inflight(self) -> int:
-        return sum(len(w.running) for w in self.workers)
+        return sum(len(keys) for keys in self.workers.values())
 
     def submit(self, task: Task) -> None:
-        worker = min(self.workers, key=lambda w: len(w.running))
-        worker.running[task.key] = self.loop.create_task(worker.run_one(task))
+        worker = min(self.workers, key=lambda w: len(self.workers[w]))
+        self.workers[worker].add(task.key)
+        self.submitted.setdefault(worker, []).append(task)
+
+    @staticmethod
+    def _start(worker: _Worker, tasks: list[Task]) -> None:
+        for task in tasks:
+            worker.running[task.key] = asyncio.create_task(worker.run_one(task))
 
     def poll(self, timeout: float) -> list[Event]:
-        if not self.events:
-            self.loop.run_until_complete(self._arrival(timeout))
-        return self._take()
+        for worker, tasks in self.submitted.items():
+            self.loop.call_soon_threadsafe(self._start, worker, tasks)
+        self.submitted = {}
+        try:
+            events = self.batches.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        return self._landed(events)
 
-    async def _arrival(self, timeout: float) -> None:
-        self.arrived.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.arrived.wait(), timeout)
+    def _landed(self, events: list[Event]) -> list[Event]:
+        """`events` and every batch sent since; a finished prompt leaves flight."""
+        while not self.batches.empty():
+            events += self.batches.get()
+        for event in events:
+            if isinstance(event, Finished):
+                for keys in self.workers.values():
+                    keys.discard(event.outcome.key)
+        return events
 
     def cancel(self) -> list[Event]:
-        self.loop.run_until_complete(self._cancel_all())
-        return self._take()
+        self.submitted = {}  # never started: nothing to cancel
+        self._in_loop(self._cancel_all())
+        for keys in self.workers.values():
+            keys.clear()
+        return self._landed([])
 
     async def _cancel_all(self) -> None:
+        """Cancel every conversation, then send what they sent before it (a worker answers Cancel so)."""
         await asyncio.gather(*(w.cancel_all() for w in self.workers))
+        for outbox in self.outboxes:
+            outbox.flush()
 
     def kill(self) -> None:
-        """Nothing runs between polls: leaving at once leaves nothing running."""
+        """Leaving at once ends this process, and with it these conversations."""
 
     def close(self) -> None:
-        self.loop.run_until_complete(self._stop())
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self._in_loop(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
         self.loop.close()
 
     async def _stop(self) -> None:
-        """What each worker does on Stop: its conversations cancelled, its connections closed."""
+        """What each worker does on Stop (its conversations cancelled, its connections closed), then
+        what asyncio.run does at the end of a worker."""
         await self._cancel_all()
         for w in self.workers:
             await w.endpoint.close()
+        await self.loop.shutdown_asyncgens()
+        await self.loop.shutdown_default_executor()
