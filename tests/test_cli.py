@@ -243,8 +243,8 @@ def test_a_rerun_samples_the_same_toolsets(inline, scripted_server):
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(12)])
     for name in ("one", "two"):
         assert inline.run(*inline.args(server, run_name=name, distribution="development", seed=3)).returncode == 0
-    sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"] for r in read_jsonl(inline.run_dir(n) / "trajectories.jsonl")}
-               for n in ("one", "two")]
+    sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"]
+                for r in read_jsonl(inline.run_dir(n) / "trajectories.jsonl")} for n in ("one", "two")]
     assert sampled[0] == sampled[1] and len({tuple(v) for v in sampled[0].values()}) > 1
 
 

@@ -310,7 +310,8 @@ def test_comparison_html_opens_without_any_request_but_its_own_file(made, browse
 
 def test_the_viewer_opens_two_conversations_of_a_prompt_side_by_side(made, browser):
     inline, _ = made
-    process = CLI(inline.cwd).start("--view", "--compare=data/eval", "--view_port=0")  # the runs of a --models invocation
+    # the runs of a --models invocation
+    process = CLI(inline.cwd).start("--view", "--compare=data/eval", "--view_port=0")
     try:
         line = process.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line)

@@ -246,7 +246,8 @@ def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scrip
         "empty": [{"body": {"id": "x", "choices": []}}],
         "nochoices": [{"body": {"id": "x"}}],
     }, "default": [think()]})
-    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in ("flaky", "refused", "garbage", "empty", "nochoices", "fine")])
+    prompts = ("flaky", "refused", "garbage", "empty", "nochoices", "fine")
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
     done = inline.run(*inline.args(server, max_retries=3))
     assert done.returncode == 1, done.stderr
     assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
