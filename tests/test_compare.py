@@ -1,7 +1,7 @@
 """Comparing models: the statistics against hand computations, a --models run of two models the
-scripted server answers differently, --compare over overlapping datasets (these in process:
-tests/support/inline.py), a --models run of the real CLI killed with -9 and resumed, and
-comparison.html and the comparison viewer in Chromium."""
+scripted server answers differently (in process: tests/support/inline.py), --compare over
+overlapping datasets (by the real CLI), a --models run of the real CLI killed with -9 and resumed,
+and comparison.html and the comparison viewer in Chromium."""
 from __future__ import annotations
 
 import json
@@ -127,7 +127,7 @@ def test_compare_over_overlapping_datasets_uses_the_shared_prompts_and_warns(mad
         assert done.returncode == 0, done.stderr
     finally:
         server.stop()
-    done = inline.run("--compare=data/eval/bad,data/other", "--compare_out=out", env={"COLUMNS": "200"})
+    done = CLI(inline.cwd).run("--compare=data/eval/bad,data/other", "--compare_out=out", env={"COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
     found = json.loads((inline.cwd / "out" / "comparison.json").read_text())
     assert found["shared_prompts"] == 6 and [r["prompts_in_run"] for r in found["runs"]] == [12, 12]

@@ -4,8 +4,9 @@ is taken as it is by the trainer of its convention.
 One whole run in process (tests/support/inline.py) against the scripted server (its request log
 is the ground truth): a row with two calls in one assistant turn, envelope tags and their escaped
 forms in the model's text, reasoning, arguments and tool outputs; a partial row; a failed prompt.
-Then every export, rendered with the chat templates TRL ships (tests/chat_templates, through
-transformers' own rendering) and checked against LLaMA-Factory's documented sharegpt rules.
+Then every export (the hf one by the real CLI), rendered with the chat templates TRL ships
+(tests/chat_templates, through transformers' own rendering) and checked against LLaMA-Factory's
+documented sharegpt rules.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ LLAMA_FACTORY_TAGS = ({"human", "observation"}, {"gpt", "function_call"})  # odd
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The run and its exports (partial rows included), made once for the module's tests."""
+    """The run and its exports (partial rows included), made once for the module's tests: the hf export
+    by the real CLI, the run and the other exports in process."""
+    from tests.conftest import CLI
     from tests.support.inline import Inline
     from tests.support.scripted_server import start_server
 
@@ -59,7 +62,8 @@ def run(tmp_path_factory):
         done = inline.run(*inline.args(server, temperature=0.3, max_turns=2, distribution="default", max_retries=0))
         assert done.returncode == 1, done.stderr  # the broken prompt failed
         for fmt in FORMATS:
-            exported = inline.run(f"--export={fmt}", "--run_name=run", "--export_partial")
+            runner = CLI(tmp) if fmt == "hf" else inline
+            exported = runner.run(f"--export={fmt}", "--run_name=run", "--export_partial")
             assert exported.returncode == 0, exported.stderr
         yield inline, [r for r in server.requests() if r["status"] == 200]
     finally:
