@@ -41,6 +41,19 @@ def _one_loop():
     _runner.close()
 
 
+def pytest_collection_finish(session) -> None:
+    """Start the Ray end-to-end tests as soon as they are collected: they mostly wait on Ray, and the
+    other tests run meanwhile (tests/test_ray.py)."""
+    ray_tests = sys.modules.get("tests.test_ray")  # imported if collected
+    if ray_tests and any(item.nodeid == ray_tests.END_TO_END for item in session.items):
+        ray_tests.start_inner_run()
+
+
+def pytest_sessionfinish(session) -> None:
+    if ray_tests := sys.modules.get("tests.test_ray"):
+        ray_tests.stop_inner_run()
+
+
 def think(text: str = "thinking") -> dict:
     """A final reply with reasoning, so the sample is kept under the default --require_reasoning."""
     return {"content": text, "reasoning": "let me think"}

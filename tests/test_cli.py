@@ -1,4 +1,5 @@
-"""The spine, end to end: the real CLI as a subprocess against the loopback scripted server."""
+"""The spine: one run of the real CLI as a subprocess, end to end, and the rest in process
+(tests/support/inline.py), against the loopback scripted server."""
 from __future__ import annotations
 
 import json
@@ -59,13 +60,13 @@ def test_multi_turn_run_writes_the_four_kinds_of_files(cli, scripted_server):
     assert statistics["api_calls"] == 6
 
 
-def test_trajectories_load_with_datasets(cli, scripted_server):
+def test_trajectories_load_with_datasets(inline, scripted_server):
     datasets = pytest.importorskip("datasets")
     server = scripted_server({"default": [call("terminal", command="echo '</tool_call> <think>'"), think("ok")]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
-    assert cli.run(*cli.args(server)).returncode == 0
-    loaded = datasets.load_dataset("json", data_files=str(cli.run_dir() / "trajectories.jsonl"), split="train",
-                                   cache_dir=str(cli.cwd / "hf-cache"))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    assert inline.run(*inline.args(server)).returncode == 0
+    loaded = datasets.load_dataset("json", data_files=str(inline.run_dir() / "trajectories.jsonl"), split="train",
+                                   cache_dir=str(inline.cwd / "hf-cache"))
     assert len(loaded) == 6
     gpt = loaded[0]["conversations"][2]
     # content containing our own tags cannot break the envelope
@@ -74,32 +75,32 @@ def test_trajectories_load_with_datasets(cli, scripted_server):
     assert tool.count("</tool_response>") == 1
 
 
-def test_bad_dataset_lines_stop_the_run_before_any_request(cli, scripted_server):
+def test_bad_dataset_lines_stop_the_run_before_any_request(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "good"}, "not json", "[1, 2]", {"text": "no prompt"},
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "good"}, "not json", "[1, 2]", {"text": "no prompt"},
                                             {"prompt": 5}, {"prompt": "  "}])
-    done = cli.run(*cli.args(server))
+    done = inline.run(*inline.args(server))
     assert done.returncode == 2
     for line, reason in [(2, "not valid JSON"), (3, "not a JSON object"), (4, "no 'prompt' field"),
                          (5, "non-empty string"), (6, "non-empty string")]:
         assert f"prompts.jsonl:{line}: " in done.stderr and reason in done.stderr
     assert "Traceback" not in done.stderr
-    assert not cli.run_dir().exists() and server.requests() == []
-    skipped = cli.run(*cli.args(server, skip_invalid=True))
+    assert not inline.run_dir().exists() and server.requests() == []
+    skipped = inline.run(*inline.args(server, skip_invalid=True))
     assert skipped.returncode == 0, skipped.stderr
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 1
-    assert json.loads((cli.run_dir() / "statistics.json").read_text())["invalid_lines_skipped"] == 5
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 1
+    assert json.loads((inline.run_dir() / "statistics.json").read_text())["invalid_lines_skipped"] == 5
 
 
-def test_usage_errors_exit_2_with_one_line(cli, scripted_server):
+def test_usage_errors_exit_2_with_one_line(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    unknown = cli.run(*cli.args(server, distribution="nope"))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    unknown = inline.run(*inline.args(server, distribution="nope"))
     assert unknown.returncode == 2 and "unknown distribution 'nope'" in unknown.stderr and "terminal_only" in unknown.stderr
-    missing = cli.run(*cli.args(server, dataset_file="absent.jsonl"))
+    missing = inline.run(*inline.args(server, dataset_file="absent.jsonl"))
     assert missing.returncode == 2 and "absent.jsonl: no such file" in missing.stderr
     assert "Traceback" not in unknown.stderr + missing.stderr
-    assert not (cli.cwd / "data").exists()
+    assert not (inline.cwd / "data").exists()
 
 
 @pytest.mark.parametrize("argv, named, suggested", [
@@ -118,112 +119,112 @@ def test_usage_errors_exit_2_with_one_line(cli, scripted_server):
     (["--num_workers=many"], "--num_workers", "an integer >= 1, or auto with --executor=ray"),
     (["--num_workers=auto"], "--num_workers", "or auto with --executor=ray"),  # the process pool has no auto
 ])
-def test_a_bad_argument_stops_the_run_before_it_spends_anything(cli, scripted_server, argv, named, suggested):
+def test_a_bad_argument_stops_the_run_before_it_spends_anything(inline, scripted_server, argv, named, suggested):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    base = [a for a in cli.args(server) if a.split("=")[0] not in {b.split("=")[0] for b in argv}]
-    done = cli.run(*base, *argv)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    base = [a for a in inline.args(server) if a.split("=")[0] not in {b.split("=")[0] for b in argv}]
+    done = inline.run(*base, *argv)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and suggested in lines[0], done.stderr
-    assert server.stats()["requests"] == 0 and not (cli.cwd / "data").exists()
+    assert server.stats()["requests"] == 0 and not (inline.cwd / "data").exists()
 
 
-def test_both_spellings_and_every_boolean_form_are_accepted(cli, scripted_server):
+def test_both_spellings_and_every_boolean_form_are_accepted(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    first = cli.run(*cli.args(server), "--max-cost=100", "--max-total-tokens", "100000", "--noverbose",
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    first = inline.run(*inline.args(server), "--max-cost=100", "--max-total-tokens", "100000", "--noverbose",
                     "--require_reasoning=true")
     assert first.returncode == 0, first.stderr
-    again = cli.run(*cli.args(server), "--resume=TRUE")
+    again = inline.run(*inline.args(server), "--resume=TRUE")
     assert again.returncode == 0, again.stderr
-    assert cli.run(*cli.args(server), "--resume", "--keep_hallucinated").returncode == 0
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 1 and server.stats()["requests"] == 1
+    assert inline.run(*inline.args(server), "--resume", "--keep_hallucinated").returncode == 0
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 1 and server.stats()["requests"] == 1
 
 
-def test_fire_gets_every_value_as_the_flags_parser_read_it(cli, scripted_server):
+def test_fire_gets_every_value_as_the_flags_parser_read_it(inline, scripted_server):
     """Fire calls main with the checked values: a name of digits stays a name, a string that looks
     like a list stays a string, infinity stays a number."""
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    done = cli.run(*cli.args(server, run_name="007"), "--ephemeral_system_prompt=[1, 2]", "--prompt_timeout=inf")
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    done = inline.run(*inline.args(server, run_name="007"), "--ephemeral_system_prompt=[1, 2]", "--prompt_timeout=inf")
     assert done.returncode == 0, done.stderr
-    assert (cli.cwd / "data" / "007" / "trajectories.jsonl").exists()
+    assert (inline.cwd / "data" / "007" / "trajectories.jsonl").exists()
     assert server.requests()[0]["body"]["messages"][0]["content"].endswith("[1, 2]")
 
 
-def test_list_distributions_prints_all(cli):
-    done = cli.run("--list_distributions")
+def test_list_distributions_prints_all(inline):
+    done = inline.run("--list_distributions")
     assert done.returncode == 0, done.stderr
     for name in DISTRIBUTIONS:
         assert name in done.stdout
 
 
-def test_help_lists_every_flag(cli):
-    done = cli.run("--help", env={"PAGER": "cat"})
+def test_help_lists_every_flag(inline):
+    done = inline.run("--help", env={"PAGER": "cat"})
     text = done.stdout + done.stderr
     assert done.returncode == 0
     for flag in ("dataset_file", "batch_size", "concurrency", "providers_allowed", "terminal_backend", "max_samples"):
         assert f"--{flag}" in text
 
 
-def test_list_flags_accept_comma_lists(cli, scripted_server):
+def test_list_flags_accept_comma_lists(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
     # Fire turns a,b into a tuple; a single name stays a string
-    done = cli.run(*cli.args(server, providers_allowed="a,b", providers_order="c", provider_sort="price"))
+    done = inline.run(*inline.args(server, providers_allowed="a,b", providers_order="c", provider_sort="price"))
     assert done.returncode == 0, done.stderr
     body = server.requests()[0]["body"]
     assert body["provider"] == {"only": ["a", "b"], "order": ["c"], "sort": "price"}
 
 
-def test_a_slow_prompt_does_not_stall_its_batch(cli, scripted_server):
+def test_a_slow_prompt_does_not_stall_its_batch(inline, scripted_server):
     server = scripted_server({"prompts": {"slow": [{**think("late"), "delay": 4}]}, "default": [think("fast")]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "slow"}] + [{"prompt": f"fast {i}"} for i in range(7)])
-    done = cli.run(*cli.args(server, batch_size=8, num_workers=1, concurrency=8))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "slow"}] + [{"prompt": f"fast {i}"} for i in range(7)])
+    done = inline.run(*inline.args(server, batch_size=8, num_workers=1, concurrency=8))
     assert done.returncode == 0, done.stderr
-    order = [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "batch_0.jsonl")]
+    order = [r["conversations"][1]["value"] for r in read_jsonl(inline.run_dir() / "batch_0.jsonl")]
     assert order[-1] == "slow" and len(order) == 8  # the seven others landed while it was still running
 
 
-def test_one_worker_one_conversation_runs_strictly_in_turn(cli, scripted_server):
+def test_one_worker_one_conversation_runs_strictly_in_turn(inline, scripted_server):
     server = scripted_server({"default": [{**call("terminal", command="true"), "delay": 0.2}, {**think(), "delay": 0.2}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
-    assert cli.run(*cli.args(server, num_workers=1, concurrency=1)).returncode == 0
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert inline.run(*inline.args(server, num_workers=1, concurrency=1)).returncode == 0
     prompts = [r["prompt"] for r in server.requests()]
     assert prompts == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"]
 
 
-def test_failed_prompt_gives_exit_1_and_is_not_a_row(cli, scripted_server):
+def test_failed_prompt_gives_exit_1_and_is_not_a_row(inline, scripted_server):
     server = scripted_server({"prompts": {"bad": [{"status": 400, "error": "bad request"}]}, "default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "good"}])
-    done = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "good"}])
+    done = inline.run(*inline.args(server))
     assert done.returncode == 1
-    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    rows = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert [r["conversations"][1]["value"] for r in rows] == ["good"]
-    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    statistics = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert statistics["failed"] == {"total": 1, "by_class": {"BadRequestError": 1}, "attempts": 1,
                                     "tokens": {"prompt": 0, "completion": 0, "reasoning": 0}, "cost": None}
 
 
-def test_turn_budget_forces_a_final_answer(cli, scripted_server):
+def test_turn_budget_forces_a_final_answer(inline, scripted_server):
     server = scripted_server({"default": [call("terminal", command="echo again")]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "loop forever"}])
-    assert cli.run(*cli.args(server, max_turns=2)).returncode == 0
-    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "loop forever"}])
+    assert inline.run(*inline.args(server, max_turns=2)).returncode == 0
+    row = read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]
     assert row["completed"] is False and row["partial"] is True and row["api_calls"] == 3
     last = server.requests()[-1]["body"]
     assert last["tool_choice"] == "none" and last["tools"] and last["messages"][-1]["role"] == "user"
 
 
-def test_existing_run_directory_is_refused_without_resume(cli, scripted_server):
+def test_existing_run_directory_is_refused_without_resume(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "x"}])
-    assert cli.run(*cli.args(server)).returncode == 0
-    again = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "x"}])
+    assert inline.run(*inline.args(server)).returncode == 0
+    again = inline.run(*inline.args(server))
     assert again.returncode == 2 and "--resume" in again.stderr and "--overwrite" in again.stderr
     assert len(server.requests()) == 1
-    assert cli.run(*cli.args(server, overwrite=True)).returncode == 0
+    assert inline.run(*inline.args(server, overwrite=True)).returncode == 0
     assert len(server.requests()) == 2
 
 
@@ -237,26 +238,26 @@ def test_sampling_is_seeded_per_prompt_and_never_empty():
     assert all(sample_toolsets(low, s, "k") for s in range(300))
 
 
-def test_a_rerun_samples_the_same_toolsets(cli, scripted_server):
+def test_a_rerun_samples_the_same_toolsets(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(12)])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(12)])
     for name in ("one", "two"):
-        assert cli.run(*cli.args(server, run_name=name, distribution="development", seed=3)).returncode == 0
-    sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"] for r in read_jsonl(cli.run_dir(n) / "trajectories.jsonl")}
-               for n in ("one", "two")]
+        assert inline.run(*inline.args(server, run_name=name, distribution="development", seed=3)).returncode == 0
+    sampled = [{r["prompt_index"]: r["metadata"]["toolsets_sampled"]
+                for r in read_jsonl(inline.run_dir(n) / "trajectories.jsonl")} for n in ("one", "two")]
     assert sampled[0] == sampled[1] and len({tuple(v) for v in sampled[0].values()}) > 1
 
 
-def test_the_api_key_reaches_neither_the_sandbox_nor_the_run_directory(cli, scripted_server):
+def test_the_api_key_reaches_neither_the_sandbox_nor_the_run_directory(inline, scripted_server):
     server = scripted_server({"default": [call("terminal", command="env; cat /proc/1/environ | tr '\\0' '\\n'"),
                                           think("done")]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "show env"}])
-    done = cli.run(*cli.args(server, api_key="sk-SECRET-FLAG"), env={"OPENROUTER_API_KEY": "sk-SECRET-ENV"})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "show env"}])
+    done = inline.run(*inline.args(server, api_key="sk-SECRET-FLAG"), env={"OPENROUTER_API_KEY": "sk-SECRET-ENV"})
     assert done.returncode == 0, done.stderr
     assert server.requests()[0]["auth"] == "Bearer sk-SECRET-FLAG"
-    row = read_jsonl(cli.run_dir() / "trajectories.jsonl")[0]
+    row = read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]
     assert "PATH=" in row["conversations"][3]["value"]  # the command really printed its environment
-    for path in cli.run_dir().iterdir():
+    for path in inline.run_dir().iterdir():
         text = path.read_text()
         assert "sk-SECRET" not in text, path.name
     assert "sk-SECRET" not in done.stdout + done.stderr

@@ -1,6 +1,7 @@
 """Comparing models: the statistics against hand computations, a --models run of two models the
-scripted server answers differently, --compare over overlapping datasets, a --models run killed
-with -9 and resumed, and comparison.html and the comparison viewer in Chromium."""
+scripted server answers differently (in process: tests/support/inline.py), --compare over
+overlapping datasets (by the real CLI), a --models run of the real CLI killed with -9 and resumed,
+and comparison.html and the comparison viewer in Chromium."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, write_jsonl
+from tests.support.inline import Inline
 from trajgen import compare, dataset, run
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions
@@ -54,17 +56,17 @@ def test_exact_mcnemar_against_hand_computations():
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """`--models=good,bad` over PROMPTS, two samples each: (CLI, its output)."""
-    cli = CLI(tmp_path_factory.mktemp("compare"))
+    """`--models=good,bad` over PROMPTS, two samples each, in process: (Inline, its output)."""
+    inline = Inline(tmp_path_factory.mktemp("compare"))
     server = start_server(SCRIPT)
     try:
-        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p, "verify": ANSWER_IS_42} for p in PROMPTS])
-        done = cli.run(*cli.args(server, run_name="eval", model=None, models="good,bad", samples_per_prompt=2,
-                                 distribution="balanced"), env={"COLUMNS": "200"})
+        write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p, "verify": ANSWER_IS_42} for p in PROMPTS])
+        done = inline.run(*inline.args(server, run_name="eval", model=None, models="good,bad", samples_per_prompt=2,
+                                       distribution="balanced"), env={"COLUMNS": "200"})
     finally:
         server.stop()
     assert done.returncode == 0, done.stderr
-    return cli, done
+    return inline, done
 
 
 def _rows(run_dir) -> list[dict]:
@@ -72,8 +74,8 @@ def _rows(run_dir) -> list[dict]:
 
 
 def test_models_run_each_model_in_its_own_directory_with_the_same_toolsets(made):
-    cli, _ = made
-    parent = cli.run_dir("eval")
+    inline, _ = made
+    parent = inline.run_dir("eval")
     toolsets = {}
     for model in ("good", "bad"):
         assert json.loads((parent / model / "manifest.json").read_text())["model"] == model
@@ -85,8 +87,8 @@ def test_models_run_each_model_in_its_own_directory_with_the_same_toolsets(made)
 
 
 def test_models_run_writes_the_comparison_with_hand_checked_figures(made):
-    cli, done = made
-    found = json.loads((cli.run_dir("eval") / "comparison.json").read_text())
+    inline, done = made
+    found = json.loads((inline.run_dir("eval") / "comparison.json").read_text())
     good, bad = found["runs"]
     assert (good["model"], bad["model"], found["shared_prompts"]) == ("good", "bad", 12)
     assert good["pass_rate_prompts"] == {"passed": 9, "of": 12, "rate": 0.75, "ci95": [0.4677, 0.9111]}
@@ -104,30 +106,30 @@ def test_models_run_writes_the_comparison_with_hand_checked_figures(made):
     for d in pair["discordant"]:  # each run's record: the winner's passed sample, the loser's first
         winner, loser = (d["a"], d["b"]) if d["solved_by"] == "a" else (d["b"], d["a"])
         assert winner["verdict"] == "passed" and loser["verdict"] == "failed" and loser["key"] == d["prompt_key"]
-        run_dir = cli.run_dir("eval") / ("good" if d["solved_by"] == "a" else "bad")
+        run_dir = inline.run_dir("eval") / ("good" if d["solved_by"] == "a" else "bad")
         line = (run_dir / winner["file"]).read_text().splitlines()[winner["line"] - 1]
         assert json.loads(line)["metadata"]["prompt_key"] == winner["key"]
     assert found["settings_that_differ"] == {"model": ["good", "bad"]} and found["warnings"] == []
     table = done.stdout[done.stdout.index("Comparison over 12 shared prompts"):]
     assert re.search(r"pass rate, prompts \[95% CI\]\s*│\s*75\.0% \[46\.8, 91\.1\] of 12\s*│\s*33\.3% \[13\.8, 60\.9\] of 12", table)
     assert re.search(r"exact McNemar p-value\s*│\s*0\.125", table)
-    assert (cli.run_dir("eval") / "comparison.html").exists()
+    assert (inline.run_dir("eval") / "comparison.html").exists()
 
 
 def test_compare_over_overlapping_datasets_uses_the_shared_prompts_and_warns(made):
-    cli, _ = made
+    inline, _ = made
     server = start_server({"models": {"good": _answers(GOOD, PROMPTS)}, "default": [think("7")]})
     try:
         extra = [f"new task {i}" for i in range(6)]
-        write_jsonl(cli.cwd / "other.jsonl", [{"prompt": p, "verify": ANSWER_IS_42} for p in PROMPTS[6:] + extra])
-        done = cli.run(*cli.args(server, run_name="other", dataset_file="other.jsonl", model="good", max_turns=5,
+        write_jsonl(inline.cwd / "other.jsonl", [{"prompt": p, "verify": ANSWER_IS_42} for p in PROMPTS[6:] + extra])
+        done = inline.run(*inline.args(server, run_name="other", dataset_file="other.jsonl", model="good", max_turns=5,
                                  distribution="balanced"))
         assert done.returncode == 0, done.stderr
     finally:
         server.stop()
-    done = cli.run("--compare=data/eval/bad,data/other", "--compare_out=out", env={"COLUMNS": "200"})
+    done = CLI(inline.cwd).run("--compare=data/eval/bad,data/other", "--compare_out=out", env={"COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
-    found = json.loads((cli.cwd / "out" / "comparison.json").read_text())
+    found = json.loads((inline.cwd / "out" / "comparison.json").read_text())
     assert found["shared_prompts"] == 6 and [r["prompts_in_run"] for r in found["runs"]] == [12, 12]
     assert found["runs"][1]["pass_rate_prompts"]["passed"] == 3  # task 6, 7, 8 of the shared ones
     assert found["settings_that_differ"] == {"model": ["bad", "good"], "max_turns": [10, 5]}
@@ -138,7 +140,7 @@ def test_compare_over_overlapping_datasets_uses_the_shared_prompts_and_warns(mad
     pair = found["pairs"][0]  # bad passes task 9 only; good passes task 6, 7, 8
     assert (pair["both"], pair["only_a"], pair["only_b"], pair["neither"]) == (0, 1, 3, 2)
     assert pair["p_value"] == 2 * (1 + 4) / 2 ** 4
-    assert (cli.cwd / "out" / "comparison.html").exists()
+    assert (inline.cwd / "out" / "comparison.html").exists()
 
 
 def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path):
@@ -184,8 +186,8 @@ def test_usage_errors_of_compare_and_models(tmp_path, monkeypatch, flags, messag
     assert list(tmp_path.iterdir()) == [tmp_path / "prompts.jsonl"]  # nothing written
 
 
-def test_a_usage_error_is_one_line_from_the_cli(cli):
-    done = cli.run("--compare=nowhere,elsewhere")
+def test_a_usage_error_is_one_line_from_the_cli(inline):
+    done = inline.run("--compare=nowhere,elsewhere")
     assert done.returncode == 2 and done.stderr.strip() == "error: --compare nowhere: no such run directory"
 
 
@@ -196,7 +198,7 @@ def _journaled(run_dir, prompts_by_key: dict[str, str]) -> set[tuple[str, int]]:
     return {(prompts_by_key[e["key"].split("~")[0]], e["turn"]) for e in map(json.loads, lines)}
 
 
-def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli):
+def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli, inline):
     slow = {"default": [{**call("terminal", command="echo hi"), "delay": 0.1}, {**think("42"), "delay": 0.4}]}
     server = start_server({"models": {"fast": {"default": [think("42")]}, "slow": slow}})
     try:
@@ -216,7 +218,7 @@ def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli):
         journaled = _journaled(slow_dir, keys)
         assert len(landed) < 16 and journaled
         before = len(server.requests())
-        done = cli.run(*args, "--resume")
+        done = inline.run(*args, "--resume")
         assert done.returncode == 0, done.stderr
         after = server.requests()[before:]
     finally:
@@ -251,12 +253,12 @@ def test_a_signal_stops_a_models_run_and_starts_no_other_model(cli, sig, status)
     assert asked == {"first"} and not (cli.run_dir("eval") / "second").exists()
 
 
-def test_spend_limits_bound_the_whole_models_invocation(cli):
+def test_spend_limits_bound_the_whole_models_invocation(inline):
     server = start_server({"default": [think("42")]})  # 15 tokens a prompt
     try:
-        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
-        done = cli.run(*cli.args(server, run_name="eval", model=None, models="a,b,c", concurrency=1, num_workers=1,
-                                 max_total_tokens=200))
+        write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+        done = inline.run(*inline.args(server, run_name="eval", model=None, models="a,b,c", concurrency=1,
+                                       num_workers=1, max_total_tokens=200))
         asked = [r["body"]["model"] for r in server.requests()]
     finally:
         server.stop()
@@ -264,7 +266,7 @@ def test_spend_limits_bound_the_whole_models_invocation(cli):
     assert asked.count("a") == 10 and 1 <= asked.count("b") < 10 and "c" not in asked  # b had 50 tokens left
     assert 15 * len(asked) < 200 + 15  # at most the one prompt in flight when the limit was reached
     assert "--max_total_tokens=50 reached" in done.stderr and "not started: c" in done.stderr
-    assert json.loads((cli.run_dir("eval") / "comparison.json").read_text())["runs"][1]["samples"]["ok"] < 10
+    assert json.loads((inline.run_dir("eval") / "comparison.json").read_text())["runs"][1]["samples"]["ok"] < 10
 
 
 # Chromium: comparison.html on its own, and the comparison viewer.
@@ -287,8 +289,8 @@ def _sides(where) -> list[str]:
 
 
 def test_comparison_html_opens_without_any_request_but_its_own_file(made, browser):
-    cli, _ = made
-    report = cli.run_dir("eval") / "comparison.html"
+    inline, _ = made
+    report = inline.run_dir("eval") / "comparison.html"
     context = browser.new_context()
     page = context.new_page()
     requests: list[str] = []
@@ -307,8 +309,9 @@ def test_comparison_html_opens_without_any_request_but_its_own_file(made, browse
 
 
 def test_the_viewer_opens_two_conversations_of_a_prompt_side_by_side(made, browser):
-    cli, _ = made
-    process = cli.start("--view", "--compare=data/eval", "--view_port=0")  # the runs of a --models invocation
+    inline, _ = made
+    # the runs of a --models invocation
+    process = CLI(inline.cwd).start("--view", "--compare=data/eval", "--view_port=0")
     try:
         line = process.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line)

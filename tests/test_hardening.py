@@ -1,6 +1,7 @@
 """Never crash, never pay twice: a run in use, torn/corrupt/missing files, a full disk, outages,
-odd replies from the endpoint, and a resume hint without the key. The real CLI against the
-loopback scripted server; the full disk is a real tmpfs."""
+odd replies from the endpoint, and a resume hint without the key. Whole runs in process
+(tests/support/inline.py) against the loopback scripted server, and the real CLI where a runner
+must be another process (one that holds the run, one killed with -9); the full disk is a real tmpfs."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from trajgen import chat_calls, errors, store
+from trajgen.options import RunOptions
 from trajgen.sandbox import cgroups
 from trajgen.task import ModelSettings
 
@@ -49,17 +51,18 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
 # ---------------------------------------------------------------- one runner per run directory
 
 
-def test_second_runner_on_a_run_directory_is_refused_and_nothing_is_paid_twice(cli, scripted_server):
+def test_second_runner_on_a_run_directory_is_refused_and_nothing_is_paid_twice(cli, inline, scripted_server):
+    """The first runner is the real CLI, in a process of its own; the second ones run in this process."""
     server = scripted_server({"prompts": {"held": [{**think(), "gate": "held"}]}, "default": [think()]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "done"}])
-    assert cli.run(*cli.args(server)).returncode == 0  # a finished run, so that --export has one to export
+    assert inline.run(*inline.args(server)).returncode == 0  # a finished run, so that --export has one to export
     names = ["done", "held", *(f"prompt {i}" for i in range(30))]
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     first = cli.start(*cli.args(server, concurrency=4, resume=True))
     try:
         _wait_for(lambda: server.stats()["requests"] == len(names))  # all asked; "held" keeps the run going
-        refused = [cli.run(*cli.args(server, concurrency=4, **{flag: True})) for flag in ("resume", "overwrite")]
-        for second in [*refused, cli.run("--export=openai", "--run_name=run")]:
+        refused = [inline.run(*inline.args(server, concurrency=4, **{flag: True})) for flag in ("resume", "overwrite")]
+        for second in [*refused, inline.run("--export=openai", "--run_name=run")]:
             assert second.returncode == 2, second.stderr
             assert "data/run is in use" in second.stderr and f"pid {first.pid}" in second.stderr
             assert len(_one_line_error(second).strip().splitlines()) == 1
@@ -72,13 +75,13 @@ def test_second_runner_on_a_run_directory_is_refused_and_nothing_is_paid_twice(c
     assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
 
 
-def test_lock_dies_with_its_holder(cli, scripted_server):
+def test_lock_dies_with_its_holder(cli, inline, scripted_server):
     server = scripted_server({"default": [{**think(), "delay": 0.3}]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
     first = cli.start(*cli.args(server, concurrency=2))
     _wait_for(lambda: server.stats()["requests"] > 0)
     kill_group(first)
-    done = cli.run(*cli.args(server, resume=True))
+    done = inline.run(*inline.args(server, resume=True))
     assert done.returncode == 0, done.stderr
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 20
 
@@ -86,68 +89,68 @@ def test_lock_dies_with_its_holder(cli, scripted_server):
 # ---------------------------------------------------------------- torn, corrupt, missing files
 
 
-def test_append_after_a_torn_side_record_starts_on_a_fresh_line(cli, scripted_server):
+def test_append_after_a_torn_side_record_starts_on_a_fresh_line(inline, scripted_server):
     server = scripted_server({"prompts": {"bad": [{"status": 400}]}, "default": [{"content": "no reasoning"}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}])
-    assert cli.run(*cli.args(server)).returncode == 1
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}])
+    assert inline.run(*inline.args(server)).returncode == 1
     for name in (store.DISCARDED, store.FAILURES):  # as kill -9 or a full disk mid-append leaves them
-        with open(cli.run_dir() / name, "a") as f:
+        with open(inline.run_dir() / name, "a") as f:
             f.write('{"prompt_key": "torn", "rea')
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}, {"prompt": "plain 2"}])
-    resumed = cli.run(*cli.args(server, resume=True))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}, {"prompt": "plain 2"}])
+    resumed = inline.run(*inline.args(server, resume=True))
     assert resumed.returncode == 1, resumed.stderr
     assert "torn" in resumed.stderr
-    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert stats["discarded"]["total"] == 2 and stats["failed"]["by_class"] == {"BadRequestError": 1}
     before = len(server.requests())
-    assert cli.run(*cli.args(server, resume=True)).returncode == 1
+    assert inline.run(*inline.args(server, resume=True)).returncode == 1
     assert [r["prompt"] for r in server.requests()[before:]] == ["bad"]  # "plain 2"'s discard was not swallowed
 
 
 @pytest.mark.parametrize("name, content", [("checkpoint.json", ""), ("statistics.json", "{not json")])
-def test_unreadable_checkpoint_or_statistics_is_rebuilt_from_the_rows(cli, scripted_server, name, content):
+def test_unreadable_checkpoint_or_statistics_is_rebuilt_from_the_rows(inline, scripted_server, name, content):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
-    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
-    (cli.run_dir() / name).write_text(content)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    assert inline.run(*inline.args(server, batch_size=2)).returncode == 0
+    (inline.run_dir() / name).write_text(content)
     before = len(server.requests())
-    resumed = cli.run(*cli.args(server, batch_size=2, resume=True))
+    resumed = inline.run(*inline.args(server, batch_size=2, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert f"{name} is unreadable" in _one_line_error(resumed)
     assert len(server.requests()) == before
-    assert json.loads((cli.run_dir() / name).read_text())["run_name"] == "run"
-    assert json.loads((cli.run_dir() / "statistics.json").read_text())["ok"] == 4
+    assert json.loads((inline.run_dir() / name).read_text())["run_name"] == "run"
+    assert json.loads((inline.run_dir() / "statistics.json").read_text())["ok"] == 4
 
 
-def test_unreadable_manifest_says_to_force_and_export_names_it(cli, scripted_server):
+def test_unreadable_manifest_says_to_force_and_export_names_it(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "a"}])
-    assert cli.run(*cli.args(server)).returncode == 0
-    manifest = cli.run_dir() / "manifest.json"
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    assert inline.run(*inline.args(server)).returncode == 0
+    manifest = inline.run_dir() / "manifest.json"
     manifest.write_text("")
-    refused = cli.run(*cli.args(server, resume=True))
+    refused = inline.run(*inline.args(server, resume=True))
     assert refused.returncode == 2
     assert "manifest.json is unreadable (empty)" in _one_line_error(refused) and "--force" in refused.stderr
-    exported = cli.run("--export=openai", "--run_name=run")
+    exported = inline.run("--export=openai", "--run_name=run")
     assert exported.returncode == 2 and "manifest.json is unreadable" in _one_line_error(exported)
-    forced = cli.run(*cli.args(server, resume=True, force=True))
+    forced = inline.run(*inline.args(server, resume=True, force=True))
     assert forced.returncode == 0, forced.stderr
     assert json.loads(manifest.read_text())["model"] == "test-model"
 
 
-def test_deleted_batch_file_runs_its_prompts_again_and_says_so(cli, scripted_server):
+def test_deleted_batch_file_runs_its_prompts_again_and_says_so(inline, scripted_server):
     server = scripted_server({"default": [think()]})
     names = [f"p{i}" for i in range(6)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    assert cli.run(*cli.args(server, batch_size=2)).returncode == 0
-    lost = set(_prompts(read_jsonl(cli.run_dir() / "batch_1.jsonl")))
-    (cli.run_dir() / "batch_1.jsonl").unlink()
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    assert inline.run(*inline.args(server, batch_size=2)).returncode == 0
+    lost = set(_prompts(read_jsonl(inline.run_dir() / "batch_1.jsonl")))
+    (inline.run_dir() / "batch_1.jsonl").unlink()
     before = len(server.requests())
-    resumed = cli.run(*cli.args(server, batch_size=2, resume=True))
+    resumed = inline.run(*inline.args(server, batch_size=2, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert "batch_1.jsonl" in resumed.stderr and "run again" in resumed.stderr
     assert {r["prompt"] for r in server.requests()[before:]} == lost
-    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == names
+    assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == names
 
 
 # ---------------------------------------------------------------- a full disk
@@ -175,14 +178,14 @@ def _filler(path: Path, leave: int) -> None:
 # 60 rows of about 13.5 KB: the run needs them and up to store.COMPACT_AT of journal; the merge, the rows twice
 @pytest.mark.parametrize("room, full_at", [(300_000, ("batch_", "journal.jsonl")), (1_300_000, ("trajectories.jsonl",))],
                          ids=["during-the-run", "during-the-merge"])  # during the run, a row or a reply's journal entry
-def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_server, small_disk, room, full_at):
+def test_full_disk_stops_keeps_every_row_and_resume_finishes(inline, scripted_server, small_disk, room, full_at):
     server = scripted_server({"default": [think("x" * 4_000)]})  # rows of about 12 KB (the answer is in `value` and `message`)
     names = [f"prompt {i}" for i in range(60)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
     filler = small_disk / "filler"
     _filler(filler, room)
     flags = {"output_dir": str(small_disk / "out"), "concurrency": 4, "batch_size": 5}
-    full = cli.run(*cli.args(server, **flags))
+    full = inline.run(*inline.args(server, **flags))
     assert full.returncode == 1, full.stderr
     assert "no space left" in _one_line_error(full) and "--resume" in full.stderr and "dummy-key" not in full.stderr
     run_dir = small_disk / "out" / "run"
@@ -191,7 +194,7 @@ def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_serve
     assert (len(landed) == 60) == ("trajectories.jsonl" in full_at) and landed
     asked_before = _asked(server)
     filler.unlink()
-    resumed = cli.run(*cli.args(server, **flags, resume=True))
+    resumed = inline.run(*inline.args(server, **flags, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == sorted(names)
     asked_again = {prompt for prompt, _ in _asked(server) - asked_before}
@@ -202,38 +205,39 @@ def test_full_disk_stops_keeps_every_row_and_resume_finishes(cli, scripted_serve
 # ---------------------------------------------------------------- outages and odd replies
 
 
-def test_a_20_s_429_storm_is_ridden_out_at_a_bounded_request_rate(cli, scripted_server):
+def test_a_20_s_429_storm_is_ridden_out_at_a_bounded_request_rate(inline, scripted_server):
     server = scripted_server({"outage": {"status": 429, "seconds": 20}, "default": [think()]})
     names = [f"prompt {i}" for i in range(64)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    done = cli.run(*cli.args(server, concurrency=32, max_retries=None), timeout=600)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    done = inline.run(*inline.args(server, concurrency=32, max_retries=None))
     assert done.returncode == 0, done.stderr
-    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == sorted(names)
+    assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == sorted(names)
     storm = [r for r in server.requests() if r["status"] == 429]
     start = storm[0]["t"]
     assert sum(1 for r in storm if r["t"] < start + 1.0) <= 32  # no retry in the first second
     assert len(storm) / 20 <= 16  # on average every prompt in flight waits at least 2 s between tries
 
 
-def test_404_at_the_start_stops_the_run_and_a_later_one_fails_its_prompt(cli, scripted_server):
+def test_404_at_the_start_stops_the_run_and_a_later_one_fails_its_prompt(inline, scripted_server):
     server = scripted_server({"default": [{"status": 404, "error": "model not found"}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
-    stopped = cli.run(*cli.args(server, concurrency=4))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
+    stopped = inline.run(*inline.args(server, concurrency=4))
     assert stopped.returncode == 1
     assert "not found (HTTP 404)" in _one_line_error(stopped)
     assert server.stats()["requests"] <= 8
 
     server.set_script({"prompts": {"late": [call("terminal", command="true"), {"status": 404}]},
                        "default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(10)] + [{"prompt": "late"}])
-    later = cli.run(*cli.args(server, run_name="later", concurrency=2, num_workers=1))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(10)] + [{"prompt": "late"}])
+    later = inline.run(*inline.args(server, run_name="later", concurrency=2, num_workers=1))
     assert later.returncode == 1, later.stderr
-    failures = read_jsonl(cli.run_dir("later") / "failures.jsonl")
+    failures = read_jsonl(inline.run_dir("later") / "failures.jsonl")
     assert [f["error_class"] for f in failures] == ["NotFoundError"]
-    assert len(read_jsonl(cli.run_dir("later") / "trajectories.jsonl")) == 10
+    assert len(read_jsonl(inline.run_dir("later") / "trajectories.jsonl")) == 10
 
 
-def test_error_object_in_a_200_and_bodies_that_are_not_completions(cli, scripted_server):
+def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scripted_server, monkeypatch):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)  # which replies are retried, not how long after
     upstream = {"error": {"message": "Upstream provider returned 502", "code": 502}}
     server = scripted_server({"prompts": {
         "flaky": [{"body": upstream, "times": 2, "then": think()}],
@@ -242,26 +246,27 @@ def test_error_object_in_a_200_and_bodies_that_are_not_completions(cli, scripted
         "empty": [{"body": {"id": "x", "choices": []}}],
         "nochoices": [{"body": {"id": "x"}}],
     }, "default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("flaky", "refused", "garbage", "empty", "nochoices", "fine")])
-    done = cli.run(*cli.args(server, max_retries=3))
+    prompts = ("flaky", "refused", "garbage", "empty", "nochoices", "fine")
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    done = inline.run(*inline.args(server, max_retries=3))
     assert done.returncode == 1, done.stderr
-    assert sorted(_prompts(read_jsonl(cli.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
+    assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
     assert _asked(server)[("flaky", 0)] == 3
-    failures = {f["prompt_key"]: f for f in read_jsonl(cli.run_dir() / "failures.jsonl")}
+    failures = {f["prompt_key"]: f for f in read_jsonl(inline.run_dir() / "failures.jsonl")}
     by_class = Counter(f["error_class"] for f in failures.values())
     assert by_class == {"MalformedResponse": 3, "ProviderError": 1}
     assert any("Provider refused the request" in f["message"] for f in failures.values())
-    resumed = cli.run(*cli.args(server, max_retries=3, resume=True))
+    resumed = inline.run(*inline.args(server, max_retries=3, resume=True))
     assert resumed.returncode == 1 and _asked(server)[("flaky", 0)] == 3  # only the failed ones run again
 
 
 # ---------------------------------------------------------------- secrets
 
 
-def test_resume_hint_has_no_key_and_is_shell_quoted(cli, scripted_server):
+def test_resume_hint_has_no_key_and_is_shell_quoted(inline, scripted_server):
     server = scripted_server({"default": [{"status": 401, "error": "bad key"}]})
-    write_jsonl(cli.cwd / "my prompts.jsonl", [{"prompt": "a"}])
-    stopped = cli.run(*cli.args(server, dataset_file="my prompts.jsonl", api_key="sk-secret-123"))
+    write_jsonl(inline.cwd / "my prompts.jsonl", [{"prompt": "a"}])
+    stopped = inline.run(*inline.args(server, dataset_file="my prompts.jsonl", api_key="sk-secret-123"))
     assert stopped.returncode == 1
     assert "sk-secret-123" not in stopped.stderr + stopped.stdout
     hint = next(line.strip() for line in stopped.stderr.splitlines() if "batch_runner.py" in line)
@@ -302,16 +307,16 @@ def test_retry_budget_bounds_a_call_by_time_and_the_first_wait_is_at_least_a_sec
 
 
 @pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
-def test_resume_removes_the_cgroups_a_killed_runner_left(cli, scripted_server):
+def test_resume_removes_the_cgroups_a_killed_runner_left(cli, inline, scripted_server):
     """Sandboxes die with a runner killed with -9, their cgroup directories do not: the next
     invocation of the run removes them (and no other run's)."""
     server = scripted_server({"default": [call("terminal", command="echo up"), {**think("done"), "gate": "held"}]})
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(2)])
     args = cli.args(server)
-    before = {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")}
+    run_id = RunOptions(run_name="run", output_dir=str(cli.cwd / "data")).run_id
 
-    def ours() -> set[Path]:
-        return {d for base in cgroups._bases()[0] for d in base.glob("trajgen-*")} - before
+    def ours() -> set[Path]:  # this run's groups: other runs on the machine may come and go meanwhile
+        return {d for base in cgroups._bases()[0] for d in base.glob(f"trajgen-{run_id}.*")}
 
     first = cli.start(*args)
     _wait_for(lambda: len(server.requests()) == 4)  # both prompts ran their command and are held
@@ -319,7 +324,7 @@ def test_resume_removes_the_cgroups_a_killed_runner_left(cli, scripted_server):
     kill_group(first)
     assert left and all(d.exists() for d in left)
     server.open_gate("held")
-    done = cli.run(*args, "--resume")
+    done = inline.run(*args, "--resume")
     assert done.returncode == 0, done.stderr
     assert not any(d.exists() for d in left)
     assert ours() == set()

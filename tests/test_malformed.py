@@ -1,5 +1,6 @@
 """Malformed replies inside a 200 fail only their prompt, with a class that names what the
-endpoint did, and what they cost still counts. The real CLI against the loopback scripted server."""
+endpoint did, and what they cost still counts. Whole runs in process (tests/support/inline.py) against
+the loopback scripted server."""
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def _prompts(path) -> list[str]:
     return sorted(r["conversations"][1]["value"] for r in read_jsonl(path))
 
 
-def test_malformed_replies_fail_only_their_prompt_and_resume_asks_only_them_again(cli, scripted_server):
+def test_malformed_replies_fail_only_their_prompt_and_resume_asks_only_them_again(inline, scripted_server):
     healthy = [f"healthy {i}" for i in range(12)]
     late = "fails after a paid turn"
     script = {"prompts": {**{p: [reply, think()] for p, (reply, _) in BAD.items()},
@@ -52,22 +53,22 @@ def test_malformed_replies_fail_only_their_prompt_and_resume_asks_only_them_agai
               "default": [think()]}
     server = scripted_server(script)
     dataset = [*healthy[:6], *BAD, late, *HANDLED, *healthy[6:]]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
-    done = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
+    done = inline.run(*inline.args(server))
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    assert _prompts(cli.run_dir() / "trajectories.jsonl") == sorted([*healthy, *HANDLED])
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == sorted([*healthy, *HANDLED])
     assert all(n == 1 for n in _asked(server).values())  # nothing asked twice
-    failures = {dataset[f["prompt_index"]]: f for f in read_jsonl(cli.run_dir() / "failures.jsonl")}
+    failures = {dataset[f["prompt_index"]]: f for f in read_jsonl(inline.run_dir() / "failures.jsonl")}
     assert {p: f["error_class"] for p, f in failures.items()} == {**{p: c for p, (_, c) in BAD.items()},
                                                                   late: "MalformedResponse"}
     assert "function name is missing" in failures["no name"]["message"]
     assert "two tool calls with the id 'c1'" in failures["duplicate ids"]["message"]
     assert failures[late]["usage"]["prompt_tokens"] == 20  # both replies were paid for
-    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert stats["failed"]["by_class"] == {"MalformedResponse": len(BAD), "EmptyAnswer": 1}
     assert stats["failed"]["attempts"] == len(BAD) + 1 and stats["failed"]["tokens"]["prompt"] == 10 * len(BAD) + 20
-    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    rows = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert stats["tokens"]["prompt"] == sum(r["metadata"]["usage"]["prompt_tokens"] for r in rows) \
         + stats["failed"]["tokens"]["prompt"]
 
@@ -83,32 +84,32 @@ def test_malformed_replies_fail_only_their_prompt_and_resume_asks_only_them_agai
     # the endpoint behaves now; the journal replays the late prompt's paid first turn, so only its
     # second turn is asked again
     server.set_script({**script, "prompts": {late: [NOT_OFFERED, think()]}})
-    resumed = cli.run(*cli.args(server, resume=True))
+    resumed = inline.run(*inline.args(server, resume=True))
     assert resumed.returncode == 0, resumed.stderr
     # the late prompt's replayed first turn called a tool it was not offered: its row landed, and the
     # merge filters it as hallucinated
-    assert _prompts(cli.run_dir() / "trajectories.jsonl") == sorted(set(dataset) - {late})
-    landed = [r for b in cli.run_dir().glob("batch_*.jsonl") for r in read_jsonl(b)]
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == sorted(set(dataset) - {late})
+    landed = [r for b in inline.run_dir().glob("batch_*.jsonl") for r in read_jsonl(b)]
     assert [r["metadata"]["hallucinated_tools"] for r in landed if r["conversations"][1]["value"] == late] == [
         ["no_such_tool"]]
     again = {p for (p, turn), n in _asked(server).items() if n > 1}
     assert again == {*BAD, late}  # the failed ones were asked again, nothing else
     assert _asked(server)[(late, 0)] == 1
-    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert stats["failed"]["total"] == 0
     assert stats["failed"]["attempts"] == len(BAD) + 1  # the first attempts were paid, and count once
 
 
-def test_a_failed_prompt_counts_what_it_paid_toward_max_cost(cli, scripted_server):
+def test_a_failed_prompt_counts_what_it_paid_toward_max_cost(inline, scripted_server):
     # each prompt pays $0.25 for a turn, then $0.25 for a malformed reply: $0.50 a prompt, all failed
     server = scripted_server({"default": [{**NOT_OFFERED, "usage": {"cost": 0.25}},
                                           _sent(_call(ECHO), _call(ECHO), cost=0.25)]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
-    done = cli.run(*cli.args(server, num_workers=1, concurrency=1, max_cost=1.0))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+    done = inline.run(*inline.args(server, num_workers=1, concurrency=1, max_cost=1.0))
     assert done.returncode == 3, done.stderr
     assert "--max_cost=1.0 reached" in done.stderr
     assert len(server.requests()) == 4  # two prompts, then the limit
-    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [f["usage"]["cost"] for f in failures] == [0.5, 0.5]
-    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert (stats["failed"]["cost"], stats["cost"]) == (1.0, 1.0)

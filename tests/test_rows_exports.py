@@ -1,11 +1,12 @@
 """Rows and exports replay exactly what the model saw, with the tools it was given, and each export
 is taken as it is by the trainer of its convention.
 
-One real run of the CLI against the scripted server (its request log is the ground truth): a row
-with two calls in one assistant turn, envelope tags and their escaped forms in the model's text,
-reasoning, arguments and tool outputs; a partial row; a failed prompt. Then every export, rendered
-with the chat templates TRL ships (tests/chat_templates, through transformers' own rendering) and
-checked against LLaMA-Factory's documented sharegpt rules.
+One whole run in process (tests/support/inline.py) against the scripted server (its request log
+is the ground truth): a row with two calls in one assistant turn, envelope tags and their escaped
+forms in the model's text, reasoning, arguments and tool outputs; a partial row; a failed prompt.
+Then every export (the hf one by the real CLI), rendered with the chat templates TRL ships
+(tests/chat_templates, through transformers' own rendering) and checked against LLaMA-Factory's
+documented sharegpt rules.
 """
 from __future__ import annotations
 
@@ -47,21 +48,24 @@ LLAMA_FACTORY_TAGS = ({"human", "observation"}, {"gpt", "function_call"})  # odd
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The run and its exports (partial rows included), made once for the module's tests."""
+    """The run and its exports (partial rows included), made once for the module's tests: the hf export
+    by the real CLI, the run and the other exports in process."""
     from tests.conftest import CLI
+    from tests.support.inline import Inline
     from tests.support.scripted_server import start_server
 
     tmp = tmp_path_factory.mktemp("rows")
-    cli = CLI(tmp)
+    inline = Inline(tmp)
     server = start_server(SCRIPT, log_path=tmp / "requests.jsonl")
     try:
         write_jsonl(tmp / "prompts.jsonl", [{"prompt": p, "id": i} for p, i in PROMPTS.items()])
-        done = cli.run(*cli.args(server, temperature=0.3, max_turns=2, distribution="default", max_retries=0))
+        done = inline.run(*inline.args(server, temperature=0.3, max_turns=2, distribution="default", max_retries=0))
         assert done.returncode == 1, done.stderr  # the broken prompt failed
         for fmt in FORMATS:
-            exported = cli.run(f"--export={fmt}", "--run_name=run", "--export_partial")
+            runner = CLI(tmp) if fmt == "hf" else inline
+            exported = runner.run(f"--export={fmt}", "--run_name=run", "--export_partial")
             assert exported.returncode == 0, exported.stderr
-        yield cli, [r for r in server.requests() if r["status"] == 200]
+        yield inline, [r for r in server.requests() if r["status"] == 200]
     finally:
         server.stop()
 
@@ -70,20 +74,20 @@ def _by_id(records: list[dict]) -> dict[str, dict]:
     return {r["provenance"]["dataset_id"]: r for r in records}
 
 
-def _exported(cli, fmt: str) -> dict[str, dict]:
-    return _by_id(read_jsonl(cli.run_dir() / FILES[fmt]))
+def _exported(inline, fmt: str) -> dict[str, dict]:
+    return _by_id(read_jsonl(inline.run_dir() / FILES[fmt]))
 
 
 def _last_request(requests: list[dict], prompt: str) -> dict:
     return max((r for r in requests if r["prompt"] == prompt), key=lambda r: r["turn"])["body"]
 
 
-def _loaded(cli, fmt: str) -> dict[str, dict]:
+def _loaded(inline, fmt: str) -> dict[str, dict]:
     """The export as `datasets` gives it to a trainer."""
     datasets = pytest.importorskip("datasets")
     loader = "parquet" if fmt == "parquet" else "json"
-    return _by_id(datasets.load_dataset(loader, data_files=str(cli.run_dir() / FILES[fmt]), split="train",
-                                        cache_dir=str(cli.cwd / "hf-cache")))
+    return _by_id(datasets.load_dataset(loader, data_files=str(inline.run_dir() / FILES[fmt]), split="train",
+                                        cache_dir=str(inline.cwd / "hf-cache")))
 
 
 def _without_nulls(value):
@@ -96,8 +100,8 @@ def _without_nulls(value):
 
 
 def test_openai_export_replays_the_last_request_and_the_reply(run):
-    cli, requests = run
-    exported = _exported(cli, "openai")
+    inline, requests = run
+    exported = _exported(inline, "openai")
     assert set(exported) == EXPORTED
     for prompt, dataset_id in PROMPTS.items():
         if dataset_id not in exported:
@@ -117,10 +121,10 @@ def test_openai_export_replays_the_last_request_and_the_reply(run):
 
 
 def test_every_export_record_carries_completion_outcome_and_provenance(run):
-    cli, _ = run
-    manifest = json.loads((cli.run_dir() / "manifest.json").read_text())
+    inline, _ = run
+    manifest = json.loads((inline.run_dir() / "manifest.json").read_text())
     for fmt in FORMATS:
-        records = _exported(cli, fmt) if fmt != "parquet" else _loaded(cli, fmt)
+        records = _exported(inline, fmt) if fmt != "parquet" else _loaded(inline, fmt)
         assert set(records) == EXPORTED, fmt
         for dataset_id, record in records.items():
             assert (record["completed"], record["partial"]) == ((False, True) if dataset_id == "row-3" else (True, False))
@@ -133,10 +137,10 @@ def test_every_export_record_carries_completion_outcome_and_provenance(run):
 
 
 def test_every_row_carries_the_tools_of_its_requests_and_its_provenance(run):
-    cli, requests = run
-    rows = {r["metadata"]["id"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
-    batch_rows = {r["metadata"]["id"]: r for r in read_jsonl(cli.run_dir() / "batch_0.jsonl")}
-    manifest = json.loads((cli.run_dir() / "manifest.json").read_text())
+    inline, requests = run
+    rows = {r["metadata"]["id"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
+    batch_rows = {r["metadata"]["id"]: r for r in read_jsonl(inline.run_dir() / "batch_0.jsonl")}
+    manifest = json.loads((inline.run_dir() / "manifest.json").read_text())
     for prompt, dataset_id in PROMPTS.items():
         if dataset_id not in EXPORTED:
             continue
@@ -159,8 +163,8 @@ def test_every_row_carries_the_tools_of_its_requests_and_its_provenance(run):
 
 
 def test_hf_export_has_arguments_as_objects_and_named_results(run):
-    cli, _ = run
-    hf, openai = _exported(cli, "hf"), _exported(cli, "openai")
+    inline, _ = run
+    hf, openai = _exported(inline, "hf"), _exported(inline, "openai")
     for dataset_id, record in hf.items():
         sent = openai[dataset_id]["messages"]
         assert len(record["messages"]) == len(sent) and record["tools"] == openai[dataset_id]["tools"]
@@ -178,10 +182,10 @@ def test_hf_export_has_arguments_as_objects_and_named_results(run):
 
 
 def test_hf_and_parquet_exports_load_with_datasets_as_they_were_written(run):
-    cli, _ = run
-    written = _exported(cli, "hf")
+    inline, _ = run
+    written = _exported(inline, "hf")
     for fmt in ("hf", "parquet"):
-        loaded = _loaded(cli, fmt)
+        loaded = _loaded(inline, fmt)
         for dataset_id, record in loaded.items():  # no json.loads: arguments and schemas come back as objects
             assert _without_nulls({k: record[k] for k in ("messages", "tools")}) == {
                 k: written[dataset_id][k] for k in ("messages", "tools")}, fmt
@@ -199,9 +203,9 @@ def _render(template: str, record: dict, mask: bool = False):
 @pytest.mark.parametrize("template", ["qwen2_5.jinja", "qwen3.jinja", "qwen2_5_training.jinja", "qwen3_training.jinja"])
 def test_hf_export_renders_each_tool_call_and_result_once_with_trls_templates(run, template):
     pytest.importorskip("transformers")
-    cli, _ = run
+    inline, _ = run
     for fmt in ("hf", "parquet"):
-        for dataset_id, record in _loaded(cli, fmt).items():
+        for dataset_id, record in _loaded(inline, fmt).items():
             record = _without_nulls(record)
             text, _ = _render(template, record)
             for tool in record["tools"]:
@@ -214,7 +218,7 @@ def test_hf_export_renders_each_tool_call_and_result_once_with_trls_templates(ru
             assert text.count("<tool_call>\n{") == len(calls) + 1, (fmt, dataset_id)  # + the system turn's example
             for result in (m["content"] for m in record["messages"] if m["role"] == "tool"):
                 assert text.count(f"<tool_response>\n{result}\n</tool_response>") == 1, (fmt, dataset_id)
-    edit = _render(template, _exported(cli, "hf")["row-1"])[0]
+    edit = _render(template, _exported(inline, "hf")["row-1"])[0]
     assert edit.count("<tool_call>\n{") == 3  # two calls in one turn, and the system turn's example
     assert f'"content": "x{TRICKY}y"' in edit  # the literal tags of the arguments, unescaped
 
@@ -222,8 +226,8 @@ def test_hf_export_renders_each_tool_call_and_result_once_with_trls_templates(ru
 @pytest.mark.parametrize("template", ["qwen2_5_training.jinja", "qwen3_training.jinja"])
 def test_assistant_only_masks_cover_exactly_the_assistant_turns(run, template):
     pytest.importorskip("transformers")
-    cli, _ = run
-    for dataset_id, record in _exported(cli, "hf").items():
+    inline, _ = run
+    for dataset_id, record in _exported(inline, "hf").items():
         text, spans = _render(template, record, mask=True)
         assistants = [m for m in record["messages"] if m["role"] == "assistant"]
         assert len(spans) == len(assistants), dataset_id
@@ -253,8 +257,8 @@ def _calls(value: str) -> list[dict]:
 
 
 def test_sharegpt_export_follows_llama_factorys_default_tags_with_the_text_the_model_saw(run):
-    cli, _ = run
-    sharegpt, hf = _exported(cli, "sharegpt"), _exported(cli, "hf")
+    inline, _ = run
+    sharegpt, hf = _exported(inline, "sharegpt"), _exported(inline, "hf")
     for dataset_id, record in sharegpt.items():
         assert _llama_factory_accepts(record), dataset_id
         assert json.loads(record["tools"]) == hf[dataset_id]["tools"]  # a JSON text column, as its ToolFormatter reads it
@@ -279,9 +283,9 @@ def test_sharegpt_export_follows_llama_factorys_default_tags_with_the_text_the_m
 
 
 def test_hermes_export_has_a_self_contained_hermes_system_turn(run):
-    cli, _ = run
-    exported = _exported(cli, "hermes")
-    rows = {r["metadata"]["id"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    inline, _ = run
+    exported = _exported(inline, "hermes")
+    rows = {r["metadata"]["id"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
     for dataset_id, record in exported.items():
         system = record["conversations"][0]
         assert system["from"] == "system" and system["value"].startswith(rows[dataset_id]["conversations"][0]["value"])
@@ -300,28 +304,28 @@ def test_the_packaged_smollm2_template_renders_the_hermes_text_whole(run):
 
     from trajgen.local_model import model_path
 
-    cli, _ = run
+    inline, _ = run
     template = llama_cpp.Llama(str(model_path()), vocab_only=True, verbose=False).metadata["tokenizer.chat_template"]
     render = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
     roles = {"system": "system", "human": "user", "gpt": "assistant", "tool": "tool"}
-    record = _exported(cli, "hermes")["row-1"]
+    record = _exported(inline, "hermes")["row-1"]
     text = render(messages=[{"role": roles[t["from"]], "content": t["value"]} for t in record["conversations"]],
                   add_generation_prompt=False)
     system, dialogue = text.split("<|im_end|>", 1)
     assert "<tools>" in system and dialogue.count("<tool_call>\n") == 2 and dialogue.count("<tool_response>\n") == 2
     assert all(t["value"] in text for t in record["conversations"])
-    hf = _exported(cli, "hf")["row-1"]
+    hf = _exported(inline, "hf")["row-1"]
     assert "write_file" not in render(messages=hf["messages"], tools=hf["tools"])  # why not the hf export
 
 
 def test_an_export_leaves_partial_rows_out_and_says_what_comes_next(run):
-    cli, _ = run
-    run_dir = cli.run_dir()
+    inline, _ = run
+    run_dir = inline.run_dir()
     rows = run_dir / "trajectories.jsonl"
     os.utime(rows, ns=(rows.stat().st_atime_ns, (run_dir / FILES["hermes"]).stat().st_mtime_ns + 1))
-    done = cli.run("--export=sharegpt", "--run_name=run")
+    done = inline.run("--export=sharegpt", "--run_name=run")
     assert done.returncode == 0, done.stderr
-    assert set(_exported(cli, "sharegpt")) == EXPORTED - {"row-3"}
+    assert set(_exported(inline, "sharegpt")) == EXPORTED - {"row-3"}
     notes = " ".join(done.stderr.split())
     assert "1 partial row(s) left out" in notes and "--export_partial includes them" in notes
     assert "the run has 1 failed and 0 not yet run prompt(s)" in notes
@@ -332,12 +336,12 @@ def test_an_export_leaves_partial_rows_out_and_says_what_comes_next(run):
 
 
 def test_rows_of_an_older_format_are_refused_by_name(run):
-    cli, _ = run
-    old = cli.run_dir("old")
-    shutil.copytree(cli.run_dir(), old, ignore=shutil.ignore_patterns("export*", ".runner.lock"))
+    inline, _ = run
+    old = inline.run_dir("old")
+    shutil.copytree(inline.run_dir(), old, ignore=shutil.ignore_patterns("export*", ".runner.lock"))
     rows = read_jsonl(old / "trajectories.jsonl")
     rows[0]["metadata"]["format_version"] = 1
     write_jsonl(old / "trajectories.jsonl", rows)
-    done = cli.run("--export=hf", "--run_name=old")
+    done = inline.run("--export=hf", "--run_name=old")
     assert done.returncode == 2 and "has row format 1, exports need 2" in done.stderr
     assert not list(old.glob("*export*"))  # nothing half-written

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError, read_file
+from trajgen.sandbox import SandboxError, read_file, supervisor
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.sandbox.local import LocalSandbox
-from trajgen.sandbox.process import OUTPUT_CAP
+from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
 from tests.conftest import arun, call, think, write_jsonl
 
@@ -372,3 +372,21 @@ def test_a_runner_that_is_pid_1_is_left_no_zombie_per_sandbox(cli, scripted_serv
         server.open_gate("end")
         _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr
+
+
+def test_a_command_loop_that_outlives_the_end_of_its_input_goes_with_its_group(tmp_path, monkeypatch):
+    """bwrap may live on once its init is killed (seen under load): past REAP_SECONDS, its group is killed."""
+    monkeypatch.setattr(supervisor, "REAP_SECONDS", 0.2)
+    marker = f"sleep 600.{uuid.uuid4().int % 10**9}"  # ignores the end of its input, as such a bwrap does
+    channel = arun(supervisor.process_channel(["sh", "-c", f"{marker} & exec {marker}"], [],
+                                              {"PATH": os.environ["PATH"]}, str(tmp_path)))
+    deadline = time.monotonic() + 30
+    while len(survivors(marker).splitlines()) < 2:
+        assert time.monotonic() < deadline, "the loop and its child never both ran"
+        time.sleep(0.05)
+    arun(channel.kill())
+    assert arun(channel.reader.read()) == b"" and survivors(marker) == ""
+
+
+def test_killing_pids_already_gone_is_no_error():
+    kill_pids([int(Path("/proc/sys/kernel/pid_max").read_text()) + 1])  # above pid_max: no process has it

@@ -1,6 +1,7 @@
-"""Verified trajectories end to end: the real CLI against the scripted server, verify commands
-run in real sandboxes (local and Docker), several samples per prompt, kill -9 and resume,
---require_verified, the statistics against a hand count, and the exports' rewards."""
+"""Verified trajectories: whole runs in process (tests/support/inline.py) against the scripted
+server, verify commands run in real sandboxes (local and Docker), several samples per prompt,
+the real CLI killed with -9 and resumed, --require_verified, the statistics against a hand count,
+and the exports' rewards."""
 from __future__ import annotations
 
 import json
@@ -37,8 +38,8 @@ CHECKS = {  # prompt -> (verify command, the model's replies)
 }
 
 
-def _dataset(cli, prompts: dict[str, tuple[str, list]], extra: list[dict] = ()) -> dict:
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p, "verify": v} for p, (v, _) in prompts.items()] + list(extra))
+def _dataset(runs, prompts: dict[str, tuple[str, list]], extra: list[dict] = ()) -> dict:
+    write_jsonl(runs.cwd / "prompts.jsonl", [{"prompt": p, "verify": v} for p, (v, _) in prompts.items()] + list(extra))
     return {"prompts": {p: replies for p, (_, replies) in prompts.items()}, "default": [think()]}
 
 
@@ -49,16 +50,16 @@ def _by_prompt(rows: list[dict]) -> dict[str, list[dict]]:
     return found
 
 
-def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_backend(cli, scripted_server):
+def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_backend(inline, scripted_server):
     prompts = {**CHECKS,
                "sometimes 42": (ANSWER_IS_42, [{"body": answer("41"), "times": 2, "then": think("42")}]),
                "no reasoning": ("true", [{"content": "42"}])}
-    server = scripted_server(_dataset(cli, prompts, [{"prompt": "unchecked"}]))
-    args = cli.args(server, samples_per_prompt=3, verify_timeout=1, num_workers=1, concurrency=1,
-                    cache_dir=str(cli.cwd / "cache"))
-    done = cli.run(*args, "--require_verified")
+    server = scripted_server(_dataset(inline, prompts, [{"prompt": "unchecked"}]))
+    args = inline.args(server, samples_per_prompt=3, verify_timeout=1, num_workers=1, concurrency=1,
+                    cache_dir=str(inline.cwd / "cache"))
+    done = inline.run(*args, "--require_verified")
     assert done.returncode == 0, done.stderr
-    run_dir = cli.run_dir()
+    run_dir = inline.run_dir()
     rows = _by_prompt([r for p in run_dir.glob("batch_*.jsonl") for r in read_jsonl(p)])
     # every sample has its own identity and its own requests: the cache never gives a twin's reply
     for name, samples in rows.items():
@@ -106,41 +107,41 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
 
     # the filter is changed on resume without paying again: every row comes back
     before = len(server.requests())
-    again = cli.run(*args, "--resume")
+    again = inline.run(*args, "--resume")
     assert again.returncode == 0, again.stderr
     assert len(server.requests()) == before and len(read_jsonl(run_dir / "trajectories.jsonl")) == 21
 
     # exports select by verdict and carry a reward
-    assert cli.run(*args, "--export=parquet", "--export_outcome=passed,failed").returncode == 0
+    assert inline.run(*args, "--export=parquet", "--export_outcome=passed,failed").returncode == 0
     table = pq.read_table(run_dir / "export.parquet").to_pylist()
     assert Counter((r["verify"]["status"], r["reward"]) for r in table) == {("passed", 1.0): 7, ("failed", 0.0): 5}
     origins = [r["provenance"] for r in table]
     assert {o["group_id"] for o in origins if o["sample_index"] == 0} == {o["group_id"] for o in origins}
-    assert cli.run(*args, "--export=openai").returncode == 0
+    assert inline.run(*args, "--export=openai").returncode == 0
     records = read_jsonl(run_dir / "export_openai.jsonl")
     assert Counter((r["verify"]["status"], r["reward"]) for r in records) == {
         ("passed", 1.0): 7, ("failed", 0.0): 5, ("timeout", 0.0): 3, ("error", None): 3, ("unverified", None): 3}
-    report = cli.run("--report", "--run_name=run")
+    report = inline.run("--report", "--run_name=run")
     assert report.returncode == 0, report.stderr
     assert "pass@2" in (run_dir / "report.html").read_text() and "61.1%" in (run_dir / "report.html").read_text()
-    bad = cli.run(*args, "--export=openai", "--export_outcome=won")
+    bad = inline.run(*args, "--export=openai", "--export_outcome=won")
     assert bad.returncode == 2 and "--export_outcome must be a comma list" in bad.stderr
 
 
-def test_verdicts_on_the_docker_backend(cli, scripted_server, docker_engine, busybox_image):
-    server = scripted_server(_dataset(cli, CHECKS))
-    done = cli.run(*cli.args(server, terminal_backend="docker", docker_image=busybox_image, verify_timeout=1),
+def test_verdicts_on_the_docker_backend(inline, scripted_server, docker_engine, busybox_image):
+    server = scripted_server(_dataset(inline, CHECKS))
+    done = inline.run(*inline.args(server, terminal_backend="docker", docker_image=busybox_image, verify_timeout=1),
                    env={"DOCKER_HOST": docker_engine})
     assert done.returncode == 0, done.stderr
-    rows = _by_prompt(read_jsonl(cli.run_dir() / "trajectories.jsonl"))
+    rows = _by_prompt(read_jsonl(inline.run_dir() / "trajectories.jsonl"))
     verdicts = {name: r[0]["verify"]["status"] for name, r in rows.items()}
     assert verdicts == {"answer 42": "passed", "make a file": "passed", "wrong answer": "failed",
                         "slow check": "timeout", "missing checker": "error"}
     assert rows["missing checker"][0]["verify"]["exit_code"] == 127
-    assert json.loads((cli.run_dir() / "statistics.json").read_text())["verification"]["pass_at_k"] == {"1": 0.5}
+    assert json.loads((inline.run_dir() / "statistics.json").read_text())["verification"]["pass_at_k"] == {"1": 0.5}
 
 
-def test_samples_land_exactly_once_across_a_kill_9_and_resume(cli, scripted_server):
+def test_samples_land_exactly_once_across_a_kill_9_and_resume(cli, inline, scripted_server):
     def gated(text: str, gate: str | None) -> list[dict]:
         return [call("terminal", command=f"echo {text}"), {**think(text), **({"gate": gate} if gate else {})}]
 
@@ -156,7 +157,7 @@ def test_samples_land_exactly_once_across_a_kill_9_and_resume(cli, scripted_serv
     kill_group(first)
     server.open_gate("kill")
     before = len(server.requests())
-    done = cli.run(*args, "--resume")
+    done = inline.run(*args, "--resume")
     assert done.returncode == 0, done.stderr
     # only the held replies were asked for again; the journal replayed the rest, the checks ran again
     assert Counter((r["prompt"], r["turn"]) for r in server.requests()[before:]) == {("b", 1): 4}
@@ -167,7 +168,7 @@ def test_samples_land_exactly_once_across_a_kill_9_and_resume(cli, scripted_serv
 
     # more samples on resume: only the new ones run
     before = len(server.requests())
-    more = cli.run(*cli.args(server, samples_per_prompt=5, batch_size=3, concurrency=12), "--resume")
+    more = inline.run(*inline.args(server, samples_per_prompt=5, batch_size=3, concurrency=12), "--resume")
     assert more.returncode == 0, more.stderr
     assert Counter((r["prompt"], r["turn"]) for r in server.requests()[before:]) == {
         (p, turn): 1 for p in "abc" for turn in (0, 1)}
