@@ -7,7 +7,9 @@ A plugin: `pytest_plugins = ["tests.dockerd", "tests.support.mcp_image"]`.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
@@ -19,9 +21,10 @@ import pytest
 
 from tests.dockerd import _busybox_rootfs, _import_image
 
-IMAGE = "trajgen-test-mcp:latest"
-SKIPPED_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "site-packages", "lib2to3"}
 PYTHON = sys.executable  # the servers' command inside the image: `PYTHON -m mcp_server_git`
+# one image per Python that runs the tests (a venv's, the machine's), each at its own host path
+IMAGE = f"trajgen-test-mcp:{hashlib.sha256(PYTHON.encode()).hexdigest()[:12]}"
+SKIPPED_STDLIB = {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "site-packages", "lib2to3"}
 
 
 def _distributions(*names: str) -> list[importlib.metadata.Distribution]:
@@ -49,6 +52,17 @@ def _copy_with_libraries(binary: Path, root: Path) -> None:
             shutil.copy2(path, target)
 
 
+def _copy_links(path: Path, root: Path) -> None:
+    """The chain of symbolic links from `path` to the binary, as on the host (`venv/bin/python` ->
+    `.../bin/python` -> `python3.11`)."""
+    while path.is_symlink():
+        target = root / str(path).lstrip("/")
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if not target.is_symlink():
+            target.symlink_to(os.readlink(path))
+        path = path.parent / os.readlink(path)
+
+
 def _python_with_servers(root: Path) -> None:
     """The host's Python at its host path (its stdlib, its dynamic modules' libraries), the
     distributions the two servers need in its site-packages, and git (mcp-server-git runs it)."""
@@ -58,9 +72,9 @@ def _python_with_servers(root: Path) -> None:
         (root / str(parent).lstrip("/")).mkdir(mode=0o755, exist_ok=True)
         (root / str(parent).lstrip("/")).chmod(0o755)
     _copy_with_libraries(Path(PYTHON).resolve(), root)
-    executable = root / PYTHON.lstrip("/")
-    if not executable.exists():  # `python`, a link to python3.11
-        executable.symlink_to(Path(PYTHON).readlink())
+    _copy_links(Path(PYTHON), root)
+    if sys.prefix != sys.base_prefix:  # a venv: its pyvenv.cfg makes the Python inside use its site-packages
+        shutil.copy2(Path(sys.prefix) / "pyvenv.cfg", root / sys.prefix.lstrip("/") / "pyvenv.cfg")
     shutil.copytree(stdlib, root / str(stdlib).lstrip("/"), symlinks=True,
                     ignore=lambda d, names: [n for n in names if Path(d) == stdlib and n in SKIPPED_STDLIB])
     for module in (root / str(stdlib).lstrip("/") / "lib-dynload").glob("*.so"):
