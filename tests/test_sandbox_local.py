@@ -93,7 +93,8 @@ async def _gather(*coroutines):
 def test_home_repo_and_test_files_are_invisible(config, tmp_path):
     (tmp_path / "test-secret.txt").write_text("hidden")
     home = os.path.expanduser("~")
-    entries = [e for e in os.listdir(home) if e != ".pyenv"]
+    runner = [Path(p) for p in (sys.prefix, sys.base_prefix)]  # read-only in every sandbox, by design (docs/mcp.md)
+    entries = [e for e in os.listdir(home) if not any(r.is_relative_to(Path(home, e)) for r in runner)]
     sandbox = open_sandbox(config, "p1", None, None)
     probes = [str(tmp_path / "test-secret.txt"), os.getcwd(), *(f"{home}/{e}" for e in entries)]
     result = run(sandbox, "; ".join(f"test -e {p} && echo VISIBLE {p}" for p in probes) + "; true")
