@@ -314,7 +314,7 @@ def test_the_viewer_opens_two_conversations_of_a_prompt_side_by_side(made, brows
     process = CLI(inline.cwd).start("--view", "--compare=data/eval", "--view_port=0")
     try:
         line = process.stdout.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        url = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]+", line)
         assert url, line + process.stderr.read()
         context = browser.new_context()
         page = context.new_page()
