@@ -1,7 +1,9 @@
 """Comparing models: the statistics against hand computations, a --models run of two models the
 scripted server answers differently (in process: tests/support/inline.py), --compare over
 overlapping datasets (by the real CLI), a --models run of the real CLI killed with -9 and resumed,
-and comparison.html and the comparison viewer in Chromium."""
+--models stopped in any of its models and resumed by the command it printed (in process, and the
+real CLI's Ctrl-C), spend limits over the whole invocation, and comparison.html and the comparison
+viewer in Chromium."""
 from __future__ import annotations
 
 import json

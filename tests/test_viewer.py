@@ -267,7 +267,7 @@ def test_the_viewer_answers_only_with_its_token_on_its_own_host(url):
     assert first.status == 200 and "script-src 'self'" in first.getheader("Content-Security-Policy")
     assert first.getheader("Set-Cookie") == f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict"
     for path in ("/", "/app.js", "/app.css", "/api/summary", "/api/entries"):
-        answer = _get(url, path, Cookie=f"other=1; {cookie}={token}")
+        answer = _get(url, path, Cookie=f'other={{"json": 1}}; {cookie}={token}')  # another server's cookie first
         assert answer.status == 200 and answer.getheader("Set-Cookie") is None, path
 
 

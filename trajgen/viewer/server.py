@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from http import HTTPStatus
-from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qsl, urlsplit
@@ -140,11 +139,12 @@ class BaseHandler(BaseHTTPRequestHandler):
         return hmac.compare_digest(given.encode(), self.server.token.encode())
 
     def _token_in_cookie(self) -> bool:
-        try:
-            cookie = SimpleCookie(self.headers.get("Cookie", "")).get(self._cookie_name())
-        except CookieError:
-            return False
-        return cookie is not None and hmac.compare_digest(cookie.value.encode(), self.server.token.encode())
+        """Split by hand: http.cookies stops at the first cookie it cannot parse (another local
+        server's JSON value, say), and would lose ours after it."""
+        pairs = (pair.strip().partition("=") for header in self.headers.get_all("Cookie", [])
+                 for pair in header.split(";"))
+        return any(name == self._cookie_name() and hmac.compare_digest(value.encode(), self.server.token.encode())
+                   for name, _, value in pairs)
 
     def _cookie_name(self) -> str:
         """One per port: a browser sends 127.0.0.1's cookies to every port of it, other viewers' included."""
