@@ -281,7 +281,7 @@ def test_a_models_run_stopped_in_any_model_resumes_with_the_printed_command(inli
     started, continues the stopped one, asks the finished ones nothing, and writes the comparison."""
     server = start_server({"models": {m: TWO_TURNS for m in THREE}})
     try:
-        names = [f"prompt {i}" for i in range(6)]
+        names = [f"prompt {i}" for i in range(8)]
         write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
         keys = {e.key: e.prompt for e in dataset.entries(str(inline.cwd / "prompts.jsonl"), set())}
         parent, model = inline.run_dir("eval"), THREE[stopped]

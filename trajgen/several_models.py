@@ -60,11 +60,10 @@ def run(opts: RunOptions) -> int:
     spent: list[Spent] = []
     for i, (model, name) in enumerate(zip(models, names)):
         cost_left, tokens_left = _left(opts, spent)
-        if (cost_left is not None and cost_left <= 0) or (tokens_left is not None and tokens_left <= 0):
-            codes.append(BUDGET)
+        if any(spent_out for _, _, spent_out in _limits(opts, cost_left, tokens_left)):
             break
         console.out.rule(f"model {i + 1} of {len(models)}: {model}{_share(opts, cost_left, tokens_left)}")
-        # a model this invocation starts (never started, or the next after a stop) is a new run; the others resume
+        # with --resume, a model that has a run directory continues it and one never started starts
         ran = run_module.single(replace(opts, model=model, models=None, output_dir=str(parent), run_name=name,
                                         resume=opts.resume and name in started,
                                         max_cost=None if cost_left is None else float(cost_left),
@@ -75,15 +74,16 @@ def run(opts: RunOptions) -> int:
             break
     if not_started := models[len(codes):]:
         console.notice(f"not started: {', '.join(not_started)}")
-    if codes[-1] in STOPPED:
+    if codes and codes[-1] in STOPPED:
         return codes[-1]
     done = [parent / n for n in names if (parent / n / "manifest.json").exists()]
     if len(done) >= 2 and not opts.dry_run:
         console.out.rule("comparison")
         compare_command.write(done, parent)
-    if BUDGET in codes:
+    budget = BUDGET in codes or bool(not_started)  # after a signal it has returned: a spend limit stopped it
+    if budget:
         _say_spent(opts, spent)
-    return 1 if 1 in codes else BUDGET if BUDGET in codes else max(codes)
+    return 1 if 1 in codes else BUDGET if budget else max(codes)
 
 
 def _dollars(cost: float) -> Decimal:
@@ -99,19 +99,28 @@ def _left(opts: RunOptions, spent: list[Spent]) -> tuple[Decimal | None, int | N
     return cost, tokens
 
 
+def _limits(opts: RunOptions, cost_left: Decimal | None, tokens_left: int | None) -> list[tuple[str, str, bool]]:
+    """Each limit given, as typed (`--max_cost=0.009`), what it leaves (`$0.005`), and whether it is reached."""
+    limits = []
+    if cost_left is not None:
+        limits.append((f"--max_cost={_dollars(opts.max_cost).normalize():f}", f"${cost_left.normalize():f}",
+                       cost_left <= 0))
+    if tokens_left is not None:
+        limits.append((f"--max_total_tokens={opts.max_total_tokens}", str(tokens_left), tokens_left <= 0))
+    return limits
+
+
 def _share(opts: RunOptions, cost_left: Decimal | None, tokens_left: int | None) -> str:
-    """The limits the next model runs under, beside the invocation's as typed."""
-    said = [f"${cost_left.normalize():f} of --max_cost={opts.max_cost}" if cost_left is not None else "",
-            f"{tokens_left} of --max_total_tokens={opts.max_total_tokens}" if tokens_left is not None else ""]
-    return f" ({' and '.join(s for s in said if s)} left)" if any(said) else ""
+    """The limits the next model runs under, beside the invocation's."""
+    limits = _limits(opts, cost_left, tokens_left)
+    return f" ({' and '.join(f'{left} of {limit}' for limit, left, _ in limits)} left)" if limits else ""
 
 
 def _say_spent(opts: RunOptions, spent: list[Spent]) -> None:
-    """The invocation's spend line: every model's share, against the limits as typed."""
+    """The invocation's spend line: the limits reached as typed, every model's share, the total."""
     cost_left, tokens_left = _left(opts, spent)
-    reached = ([f"--max_cost={opts.max_cost}"] if cost_left is not None and cost_left <= 0 else []) + (
-        [f"--max_total_tokens={opts.max_total_tokens}"] if tokens_left is not None and tokens_left <= 0 else [])
+    reached = [limit for limit, _, spent_out in _limits(opts, cost_left, tokens_left) if spent_out]
     shares = "; ".join(f"{s.model} ${s.cost:.4f}, {s.tokens} tokens" for s in spent)
     console.stopped(f"stopped: {' and '.join(reached) or 'a spend limit'} reached; this invocation paid "
-                    f"${sum(s.cost for s in spent):.4f}, {sum(s.tokens for s in spent)} tokens over "
-                    f"{len(spent)} model(s) ({shares}). Resume with:", error=False)
+                    f"${sum(s.cost for s in spent):.4f}, {sum(s.tokens for s in spent)} tokens"
+                    f"{f' over {len(spent)} model(s) ({shares})' if spent else ''}. Resume with:", error=False)
