@@ -19,7 +19,7 @@ from trajgen.options import RunOptions, as_list, check as check_options
 
 STOPPED, BUDGET = (130, 143), 3  # a signal (SIGINT or SIGHUP, SIGTERM); a spend limit
 DEFAULT_MODEL = next(f.default for f in fields(RunOptions) if f.name == "model")
-CENT_FRACTION = Decimal("1e-12")  # finer than any reported cost, coarser than a float sum's error
+COST_QUANTUM = Decimal("1e-12")  # dollars: finer than any reported cost, coarser than a float sum's error
 
 
 def directory(model: str) -> str:
@@ -89,7 +89,7 @@ def run(opts: RunOptions) -> int:
 def _dollars(cost: float) -> Decimal:
     """A float sum of reported costs as the decimal it stands for: 0.001 four times is 0.004, and
     0.009 less that leaves 0.005 (in floats, 0.004999999999999999)."""
-    return Decimal(repr(cost)).quantize(CENT_FRACTION)
+    return Decimal(repr(cost)).quantize(COST_QUANTUM)
 
 
 def _left(opts: RunOptions, spent: list[Spent]) -> tuple[Decimal | None, int | None]:
