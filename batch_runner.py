@@ -23,10 +23,10 @@ from trajgen.sandbox import BackendUnreachable
 
 
 def main(**flag_values) -> None:
-    from trajgen import console, run
+    from trajgen import console, modes
 
     try:
-        code = run.main(RunOptions(**flag_values))
+        code = modes.main(RunOptions(**flag_values))
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)

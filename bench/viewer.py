@@ -96,16 +96,20 @@ def make_run(run_dir: Path, n: int) -> int:
 
 
 class Client:
-    def __init__(self, port: int):
+    """The page's requests: its host, and the cookie that carries the viewer's token."""
+
+    def __init__(self, port: int, token: str):
         self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        self.port = port
+        self.headers = {"Host": f"127.0.0.1:{port}", "Cookie": f"trajgen-viewer-{port}={token}", "Connection": "close"}
 
     def get(self, path: str) -> tuple[float, bytes]:
         started = time.perf_counter()
-        self.connection.request("GET", path, headers={"Host": f"127.0.0.1:{self.port}", "Connection": "close"})
-        body = self.connection.getresponse().read()
+        self.connection.request("GET", path, headers=self.headers)
+        response = self.connection.getresponse()
+        body = response.read()
         elapsed = time.perf_counter() - started
         self.connection.close()
+        assert response.status != 403, body  # refused: the token did not reach the viewer
         return elapsed, body
 
 
@@ -129,9 +133,9 @@ def run(n: int, repeats: int, pages: int) -> list[tuple[str, str, str]]:
             [sys.executable, str(ROOT / "batch_runner.py"), "--view", "--run_name=run", f"--output_dir={run_dir.parent}",
              "--view_port=0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        port = int(re.search(r"127\.0\.0\.1:(\d+)", process.stdout.readline()).group(1))
+        port, token = re.search(r"127\.0\.0\.1:(\d+)/\?token=([\w-]+)", process.stdout.readline()).groups()
         starts.append(time.perf_counter() - started)
-        client = Client(port)
+        client = Client(int(port), token)
         try:
             def timed(name: str, path: str) -> bytes:
                 elapsed, body = client.get(path)
@@ -177,7 +181,7 @@ def cpu(run_dir: Path, n: int, repeats: int) -> list[tuple[str, str, str]]:
     sys.path.insert(0, str(ROOT))
     from trajgen.viewer.index import RunIndex
     from trajgen.viewer.query import Filters, Pager
-    from trajgen.viewer.summary import summarize
+    from trajgen.viewer.summary import read_filtering, summarize
 
     times: dict[str, list[float]] = {}
 
@@ -192,10 +196,11 @@ def cpu(run_dir: Path, n: int, repeats: int) -> list[tuple[str, str, str]]:
         timed("CPU: index of the whole run", index.refresh)
         timed("CPU: summary", lambda: summarize(index))
         timed("CPU: order the list (once per change)", pager.ordered)
-        timed("CPU: page of 100", lambda: pager.page(Filters(), False, n // 2, 100))
-        timed("CPU: filter tool=read_file, first page", lambda: pager.page(Filters(tool="read_file"), False, 0, 100))
-        timed("CPU: filter status=failed, first page", lambda: pager.page(Filters(status="failed"), False, 0, 100))
-        timed("CPU: search prompt text, first page", lambda: pager.page(Filters(q="prompt 4242:"), False, 0, 100))
+        filtering = read_filtering(run_dir, index)
+        timed("CPU: page of 100", lambda: pager.page(Filters(), filtering, n // 2, 100))
+        timed("CPU: filter tool=read_file, first page", lambda: pager.page(Filters(tool="read_file"), filtering, 0, 100))
+        timed("CPU: filter status=failed, first page", lambda: pager.page(Filters(status="failed"), filtering, 0, 100))
+        timed("CPU: search prompt text, first page", lambda: pager.page(Filters(q="prompt 4242:"), filtering, 0, 100))
         timed("CPU: check every file, nothing new", index.refresh)
     return [(name, f"{1000 * statistics.median(values):.1f} ms",
              "" if "page" not in name else ("pass" if 1000 * statistics.median(values) < TARGET_MS else "fail"))

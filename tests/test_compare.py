@@ -1,19 +1,24 @@
 """Comparing models: the statistics against hand computations, a --models run of two models the
 scripted server answers differently (in process: tests/support/inline.py), --compare over
 overlapping datasets (by the real CLI), a --models run of the real CLI killed with -9 and resumed,
-and comparison.html and the comparison viewer in Chromium."""
+--models stopped in any of its models and resumed by the command it printed (in process, and the
+real CLI's Ctrl-C), spend limits over the whole invocation, and comparison.html and the comparison
+viewer in Chromium."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import signal
+import subprocess
 import time
 
 import pytest
 
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, write_jsonl
-from tests.support.inline import Inline
-from trajgen import compare, dataset, run
+from tests.support.inline import ROOT, Inline, when
+from trajgen import compare, dataset, modes
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions
 from tests.support.scripted_server import start_server
@@ -176,13 +181,14 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
     ({"models": "a/b,a_b"}, "share a directory name"),
     ({"models": "a,b", "compare_out": "x"}, "--compare_out goes with --compare"),
     ({"models": "a,b", "model": "c"}, "--model and --models"),
+    ({"models": "a,b", "resume": True}, "holds no run of these models to continue"),
 ])
 def test_usage_errors_of_compare_and_models(tmp_path, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "x"}])
     base = {"dataset_file": "prompts.jsonl", "run_name": "eval", "base_url": "http://127.0.0.1:9/v1", "api_key": "k"}
     with pytest.raises(UsageError, match=re.escape(message)):
-        run.main(RunOptions(**base, **flags))
+        modes.main(RunOptions(**base, **flags))
     assert list(tmp_path.iterdir()) == [tmp_path / "prompts.jsonl"]  # nothing written
 
 
@@ -233,24 +239,106 @@ def test_a_models_run_killed_with_9_resumes_without_paying_twice(cli, inline):
     assert found["pairs"][0]["outcome"] == "completed" and found["pairs"][0]["both"] == 16
 
 
-@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_stops_a_models_run_and_starts_no_other_model(cli, sig, status):
-    server = start_server({"models": {"first": {"default": [{**think("42"), "delay": 0.3}]}}, "default": [think("42")]})
+THREE = ("ma", "mb", "mc")
+TWO_TURNS = {"default": [{**call("terminal", command="echo hi"), "delay": 0.1}, {**think("42"), "delay": 0.2}]}
+
+
+def _asked(server) -> list[tuple[str, str, int]]:
+    return [(r["body"]["model"], r["prompt"], r["turn"]) for r in server.requests()]
+
+
+def _stopped_in(parent, model: str, keys: dict[str, str]) -> tuple[set[str], set[tuple[str, int]]]:
+    """A model's prompts that landed, and the replies its journal holds (prompt, turn)."""
+    return {r["conversations"][1]["value"] for r in _rows(parent / model)}, _journaled(parent / model, keys)
+
+
+def _paid_once(before: dict[str, tuple[set, set]], asked_after: list[tuple[str, str, int]]) -> None:
+    """Nothing the resume asked had landed or been journaled before it, and each request went out once."""
+    for model, prompt, turn in asked_after:
+        landed, journaled = before.get(model, (set(), set()))
+        assert prompt not in landed and (prompt, turn) not in journaled, (model, prompt, turn)
+    assert len(set(asked_after)) == len(asked_after)
+
+
+def _resume_line(stderr: str) -> str:
+    """The command printed under "resume with:"."""
+    lines = stderr.splitlines()
+    return next(lines[i + 1].strip() for i in reversed(range(len(lines))) if lines[i].lower().endswith("resume with:"))
+
+
+def _all_done(parent, names: list[str]) -> None:
+    for model in THREE:
+        rows = read_jsonl(parent / model / "trajectories.jsonl")
+        assert sorted(r["conversations"][1]["value"] for r in rows) == sorted(names), model
+    found = json.loads((parent / "comparison.json").read_text())
+    assert [r["model"] for r in found["runs"]] == list(THREE) and len(found["pairs"]) == 3
+
+
+@pytest.mark.parametrize("stopped, sig, status", [(0, signal.SIGINT, 130), (1, signal.SIGTERM, 143),
+                                                  (2, signal.SIGINT, 130)])
+def test_a_models_run_stopped_in_any_model_resumes_with_the_printed_command(inline, stopped, sig, status):
+    """Stopped in the first, second or third model: the printed resume line starts the models never
+    started, continues the stopped one, asks the finished ones nothing, and writes the comparison."""
+    server = start_server({"models": {m: TWO_TURNS for m in THREE}})
     try:
-        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(20)])
-        process = cli.start(*cli.args(server, run_name="eval", model=None, models="first,second", concurrency=2))
-        deadline = time.monotonic() + 120
-        while not (cli.run_dir("eval") / "first").is_dir() or len(_rows(cli.run_dir("eval") / "first")) < 2:
-            assert time.monotonic() < deadline and process.poll() is None, "the first model never got going"
-            time.sleep(0.05)
-        process.send_signal(sig)
-        _, stderr = process.communicate(timeout=60)
-        asked = {r["body"]["model"] for r in server.requests()}
+        names = [f"prompt {i}" for i in range(8)]
+        write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+        keys = {e.key: e.prompt for e in dataset.entries(str(inline.cwd / "prompts.jsonl"), set())}
+        parent, model = inline.run_dir("eval"), THREE[stopped]
+        args = inline.args(server, run_name="eval", model=None, models=",".join(THREE), concurrency=2, num_workers=1)
+        with when(lambda: (parent / model).is_dir() and len(_rows(parent / model)) >= 2,
+                  lambda: os.kill(os.getpid(), sig)):
+            first = inline.run(*args)
+        assert first.returncode == status, first.stderr
+        assert not (set(THREE[stopped + 1:]) & {m for m, _, _ in _asked(server)})
+        if stopped < 2:
+            assert f"not started: {', '.join(THREE[stopped + 1:])}" in first.stderr
+        before = {m: _stopped_in(parent, m, keys) for m in THREE[:stopped + 1]}
+        assert len(before[model][0]) < len(names)
+        words = shlex.split(_resume_line(first.stderr), comments=True)
+        assert words[1] == str(ROOT / "batch_runner.py") and words[-1] == "--resume"
+        asked = len(server.requests())
+        again = inline.run(*words[2:])
+        asked_after = _asked(server)[asked:]
     finally:
         server.stop()
-    assert process.returncode == status, stderr
-    assert "not started: second" in stderr and "--models=first,second" in stderr and "--resume" in stderr
-    assert asked == {"first"} and not (cli.run_dir("eval") / "second").exists()
+    assert again.returncode == 0, again.stderr
+    assert {m for m, _, _ in asked_after} == set(THREE[stopped:])  # the finished models are asked nothing
+    _paid_once(before, asked_after)
+    _all_done(parent, names)
+
+
+def test_a_models_run_interrupted_in_its_second_model_resumes_by_its_printed_line(cli):
+    """The real CLI and a real Ctrl-C in the second of three models, then the resume line it
+    printed, run by a shell as printed."""
+    server = start_server({"models": {m: TWO_TURNS for m in THREE}})
+    try:
+        names = [f"prompt {i}" for i in range(8)]
+        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+        keys = {e.key: e.prompt for e in dataset.entries(str(cli.cwd / "prompts.jsonl"), set())}
+        parent = cli.run_dir("eval")
+        process = cli.start(*cli.args(server, run_name="eval", model=None, models=",".join(THREE), concurrency=2))
+        deadline = time.monotonic() + 120
+        while not ((parent / "mb").is_dir() and len(_rows(parent / "mb")) >= 2):
+            assert time.monotonic() < deadline and process.poll() is None, "the second model never got going"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        assert "not started: mc" in stderr and not (parent / "mc").exists()
+        before = {m: _stopped_in(parent, m, keys) for m in ("ma", "mb")}
+        assert len(before["mb"][0]) < len(names)
+        printed = _resume_line(stderr)
+        asked = len(server.requests())
+        again = subprocess.run(["sh", "-c", printed], cwd=cli.cwd, env=cli.env, capture_output=True, text=True,
+                               timeout=300)
+        asked_after = _asked(server)[asked:]
+    finally:
+        server.stop()
+    assert again.returncode == 0, printed + "\n" + again.stderr
+    assert {m for m, _, _ in asked_after} == {"mb", "mc"}
+    _paid_once(before, asked_after)
+    _all_done(parent, names)
 
 
 def test_spend_limits_bound_the_whole_models_invocation(inline):
@@ -265,8 +353,41 @@ def test_spend_limits_bound_the_whole_models_invocation(inline):
     assert done.returncode == 3, done.stderr
     assert asked.count("a") == 10 and 1 <= asked.count("b") < 10 and "c" not in asked  # b had 50 tokens left
     assert 15 * len(asked) < 200 + 15  # at most the one prompt in flight when the limit was reached
-    assert "--max_total_tokens=50 reached" in done.stderr and "not started: c" in done.stderr
+    assert "--max_total_tokens=50 reached" in done.stderr and "not started: c" in done.stderr  # b's share
+    assert (f"--max_total_tokens=200 reached; this invocation paid $0.0000, {15 * len(asked)} tokens over 2 model(s) "
+            f"(a $0.0000, 150 tokens; b $0.0000, {15 * asked.count('b')} tokens)") in done.stderr
     assert json.loads((inline.run_dir("eval") / "comparison.json").read_text())["runs"][1]["samples"]["ok"] < 10
+
+
+def test_a_cost_limit_is_shared_out_exactly_and_a_resume_gets_it_again(inline):
+    """$0.001 a prompt, 4 prompts a model, --max_cost=0.009: a pays 0.004 and leaves b 0.005 (in floats,
+    0.009 - 0.004 is 0.004999999999999999), b pays 0.004, c gets 0.001 and stops at its first prompt.
+    The resume asks a and b nothing and finishes c within a whole new limit."""
+    server = start_server({"default": [{**think("42"), "usage": {"cost": 0.001}}]})
+    try:
+        write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+        args = inline.args(server, run_name="eval", model=None, models="a,b,c", concurrency=1, num_workers=1,
+                           max_cost=0.009)
+        done = inline.run(*args)
+        asked = [r["body"]["model"] for r in server.requests()]
+        compared = json.loads((inline.run_dir("eval") / "comparison.json").read_text())
+        again = inline.run(*args, "--resume")
+        asked_again = [r["body"]["model"] for r in server.requests()][len(asked):]
+    finally:
+        server.stop()
+    assert done.returncode == 3, done.stderr
+    assert asked == ["a"] * 4 + ["b"] * 4 + ["c"]
+    assert "model 2 of 3: b ($0.005 of --max_cost=0.009 left)" in done.stdout
+    assert "model 3 of 3: c ($0.001 of --max_cost=0.009 left)" in done.stdout
+    assert "stopped: --max_cost=0.001 reached" in done.stderr  # c's share
+    assert ("stopped: --max_cost=0.009 reached; this invocation paid $0.0090, 135 tokens over 3 model(s) "
+            "(a $0.0040, 60 tokens; b $0.0040, 60 tokens; c $0.0010, 15 tokens). Resume with:") in done.stderr
+    assert "99999" not in done.stdout + done.stderr and "00000001" not in done.stdout + done.stderr
+    assert compared["shared_prompts"] == 1 and [r["prompts_in_run"] for r in compared["runs"]] == [4, 4, 1]
+    assert again.returncode == 0, again.stderr
+    assert asked_again == ["c"] * 3 and "model 3 of 3: c ($0.009 of --max_cost=0.009 left)" in again.stdout
+    compared = json.loads((inline.run_dir("eval") / "comparison.json").read_text())
+    assert compared["shared_prompts"] == 4 and [r["samples"]["ok"] for r in compared["runs"]] == [4, 4, 4]
 
 
 # Chromium: comparison.html on its own, and the comparison viewer.
@@ -314,7 +435,7 @@ def test_the_viewer_opens_two_conversations_of_a_prompt_side_by_side(made, brows
     process = CLI(inline.cwd).start("--view", "--compare=data/eval", "--view_port=0")
     try:
         line = process.stdout.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        url = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]+", line)
         assert url, line + process.stderr.read()
         context = browser.new_context()
         page = context.new_page()

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -64,7 +65,7 @@ def made(tmp_path_factory):
 def start_viewer(cli: CLI, run_name: str = "run") -> tuple[subprocess.Popen, str]:
     process = cli.start("--view", f"--run_name={run_name}", "--view_port=0")
     line = process.stdout.readline()
-    found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+    found = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]{43}(?=\s)", line)
     assert found, line + process.stderr.read()
     return process, found.group(0)
 
@@ -240,15 +241,44 @@ def test_the_report_opens_without_any_request_but_its_own_file(made, browser):
     context.close()
 
 
-def test_the_viewer_answers_only_its_own_host_and_says_no_to_others(url):
-    host, port = url.removeprefix("http://").rstrip("/").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.request("GET", "/api/summary", headers={"Host": f"attacker.example:{port}"})
-    assert connection.getresponse().status == 403
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.request("GET", "/")
+def _get(url: str, path: str, **headers) -> http.client.HTTPResponse:
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    connection.request("GET", path, headers=headers)
     response = connection.getresponse()
-    assert response.status == 200 and "script-src 'self'" in response.getheader("Content-Security-Policy")
+    response.read()
+    return response
+
+
+def test_the_viewer_answers_only_with_its_token_on_its_own_host(url):
+    token, port = parse_qs(urlsplit(url).query)["token"][0], urlsplit(url).port
+    cookie = f"trajgen-viewer-{port}"
+    for path in ("/", "/app.js", "/app.css", "/api/summary", "/api/entries", "/api/entry?key=x", "/nowhere"):
+        with_query = path + ("&" if "?" in path else "?")
+        assert _get(url, path).status == 403, path  # no token
+        assert _get(url, f"{with_query}token=wrong{token}").status == 403, path
+        assert _get(url, f"{with_query}token=").status == 403, path
+        assert _get(url, path, Cookie=f"{cookie}={token[::-1]}").status == 403, path
+        assert _get(url, path, Cookie=f"trajgen-viewer-{port + 1}={token}").status == 403, path  # another viewer's name
+        assert _get(url, path, Cookie='bad"cookie;;=').status == 403, path
+    refused = _get(url, f"/api/summary?token={token}", Host=f"attacker.example:{port}")
+    assert refused.status == 403 and refused.getheader("Set-Cookie") is None
+    first = _get(url, f"/?token={token}")
+    assert first.status == 200 and "script-src 'self'" in first.getheader("Content-Security-Policy")
+    assert first.getheader("Set-Cookie") == f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict"
+    for path in ("/", "/app.js", "/app.css", "/api/summary", "/api/entries"):
+        answer = _get(url, path, Cookie=f'other={{"json": 1}}; {cookie}={token}')  # another server's cookie first
+        assert answer.status == 200 and answer.getheader("Set-Cookie") is None, path
+
+
+def test_the_page_opens_from_the_printed_url_alone_then_by_its_cookie(url, page):
+    bare = url.split("?")[0]
+    refused = page.goto(bare)
+    assert refused.status == 403 and "token" in page.inner_text("body")
+    assert page.goto(url).status == 200
+    page.locator("#summary table.overview").wait_for()  # its script and data came with the cookie
+    page.goto(bare)  # the token gone from the address bar: the cookie stands for it
+    page.locator("#summary table.overview").wait_for()
 
 
 def test_usage_errors_are_one_line(made, tmp_path):

@@ -1,5 +1,5 @@
 """One run, in three steps: prepare (check everything, plan), execute (the scheduler over the
-workers), finish (merge, statistics, exit status). `batch_runner.py` is the CLI over `main`.
+workers), finish (merge, statistics, exit status). `trajgen/modes.py` picks it (or another mode).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store, usage
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.distributions import TOOLSETS, Distribution, resolve as resolve_distribution
 from trajgen.errors import UsageError
@@ -66,33 +66,27 @@ class Prepared:
         return replace(prepared, plan=plan_module.count(prepared.tasks(entries), self.scan.next_batch, image))
 
 
-def main(opts: RunOptions) -> int:
-    """The exit status of whatever the options ask for."""
-    if opts.list_distributions:
-        servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
-        print(usage.distributions_text(tuple(s.name for s in servers)))
-        return 0
-    if opts.list_tools:
-        from trajgen import tool_check
-        print(tool_check.listing(opts))
-        return 0
-    if opts.export:
-        return run_export(opts)
-    if opts.compare:
-        from trajgen import compare_command
-        return compare_command.run(opts)
-    if opts.models:
-        from trajgen import several_models
-        return several_models.run(opts)
-    if opts.view or opts.report:
-        from trajgen.viewer import command as viewer  # the viewer's modules only when asked for
-        return viewer.run(opts)
-    if opts.model == local_model.NAME:
-        return run_local(opts)
-    return run(opts)
+@dataclass(frozen=True)
+class Ran:
+    """How a run ended: its exit status, and what this invocation paid (a --models invocation
+    gives the next model what is left of its limits)."""
+
+    status: int
+    paid_cost: float = 0.0
+    paid_tokens: int = 0
+
+
+def single(opts: RunOptions) -> Ran:
+    """One model's run: the packaged local model served for it, or the endpoint's."""
+    return run_local(opts) if opts.model == local_model.NAME else ran(opts)
 
 
 def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> int:
+    """The exit status of one run (the library entry point)."""
+    return ran(opts, health_check).status
+
+
+def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) -> Ran:
     """health_check: asked on every scheduler turn; a reason string stops the run like a fatal endpoint error."""
     started = time.monotonic()
     prepared = prepare(opts)
@@ -107,24 +101,24 @@ def run(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
                 prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))
             except mcp_config.ServerFailed as e:
                 console.error(f"{e}; nothing was sent")
-                return 1
+                return Ran(1)
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
-            return dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done))
+            return Ran(dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done)))
         outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
     finally:
         cleanup(sandbox)
-    return finish(prepared, outcome, previous, started)
+    return Ran(finish(prepared, outcome, previous, started), outcome.paid_cost, outcome.paid_tokens)
 
 
-def run_local(opts: RunOptions) -> int:
+def run_local(opts: RunOptions) -> Ran:
     """Serve the small packaged model for the length of the run. It answers one request at a
     time, so more conversations in flight would only queue."""
     local_model.model_path()  # a clear usage error before anything starts
     if opts.concurrency > 1 or opts.num_workers != 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
     with local_model.serve() as server:
-        return run(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
+        return ran(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
                    health_check=server.problem)
 
 

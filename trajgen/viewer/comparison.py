@@ -198,7 +198,7 @@ def serve(found: dict, runs: list[Run], port: int) -> int:
 
     class Handler(server.BaseHandler):
         def do_GET(self) -> None:
-            if not self._own_host():
+            if not self._allowed():
                 return
             url = urlsplit(self.path)
             if url.path == "/":

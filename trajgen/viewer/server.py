@@ -3,10 +3,14 @@
 Single process, the stdlib's threading server, one lock around the index. The index is brought
 up to date with the files at most once a second, so a run that is still going shows what has
 landed. Every response carries a strict Content-Security-Policy; requests naming another host
-are refused (a web page elsewhere cannot reach the viewer through DNS rebinding).
+are refused (a web page elsewhere cannot reach the viewer through DNS rebinding), and so is every
+request without the token of the printed URL, as Jupyter does: any local user can reach
+127.0.0.1, and must not read through the viewer the rows that the run files' mode 0600 keeps from them.
 """
 from __future__ import annotations
 
+import hmac
+import secrets
 import sys
 import threading
 import time
@@ -92,16 +96,21 @@ def _int(value: str | None, default: int) -> int:
 
 
 class BaseHandler(BaseHTTPRequestHandler):
-    """Answers only requests naming its own host, every answer under the viewer's policy."""
+    """Answers only requests naming its own host and carrying the viewer's token (in the URL, or in
+    the cookie the first such answer sets), every answer under the viewer's policy."""
 
     server_version = "trajgen-viewer"
     port_box: list[int]
+    server: _Server
 
     def log_message(self, format, *args) -> None:  # quiet: the terminal shows only the URL
         pass
 
     def _send(self, code: int, body: bytes, content_type: str) -> None:
         self.send_response(code)
+        if code == HTTPStatus.OK and self._token_in_url():  # the page's own requests (script, style, data) carry it
+            self.send_header("Set-Cookie", f"{self._cookie_name()}={self.server.token}; Path=/; HttpOnly; "
+                                           "SameSite=Strict")
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Content-Security-Policy", POLICY)
@@ -114,11 +123,32 @@ class BaseHandler(BaseHTTPRequestHandler):
     def _json(self, obj, code: int = 200) -> None:
         self._send(code, orjson.dumps(obj), "application/json")
 
-    def _own_host(self) -> bool:
-        own = self.headers.get("Host") in (f"127.0.0.1:{self.port_box[0]}", f"localhost:{self.port_box[0]}")
-        if not own:
+    def _allowed(self) -> bool:
+        """Its own host and its token, or a 403 sent."""
+        if self.headers.get("Host") not in (f"127.0.0.1:{self.port_box[0]}", f"localhost:{self.port_box[0]}"):
             self._send(HTTPStatus.FORBIDDEN, b"forbidden host", "text/plain")
-        return own
+            return False
+        if not (self._token_in_url() or self._token_in_cookie()):
+            self._send(HTTPStatus.FORBIDDEN, b"forbidden: open the URL with the token that --view printed",
+                       "text/plain")
+            return False
+        return True
+
+    def _token_in_url(self) -> bool:
+        given = dict(parse_qsl(urlsplit(self.path).query)).get("token", "")
+        return hmac.compare_digest(given.encode(), self.server.token.encode())
+
+    def _token_in_cookie(self) -> bool:
+        """Split by hand: http.cookies stops at the first cookie it cannot parse (another local
+        server's JSON value, say), and would lose ours after it."""
+        pairs = (pair.strip().partition("=") for header in self.headers.get_all("Cookie", [])
+                 for pair in header.split(";"))
+        return any(name == self._cookie_name() and hmac.compare_digest(value.encode(), self.server.token.encode())
+                   for name, _, value in pairs)
+
+    def _cookie_name(self) -> str:
+        """One per port: a browser sends 127.0.0.1's cookies to every port of it, other viewers' included."""
+        return f"trajgen-viewer-{self.port_box[0]}"
 
     def _static(self, path: str) -> bool:
         if path not in STATIC:
@@ -131,7 +161,7 @@ class BaseHandler(BaseHTTPRequestHandler):
 def handler(viewer: Viewer, port_box: list[int]):
     class Handler(BaseHandler):
         def do_GET(self) -> None:
-            if not self._own_host():
+            if not self._allowed():
                 return
             url = urlsplit(self.path)
             params = dict(parse_qsl(url.query))
@@ -153,6 +183,10 @@ def handler(viewer: Viewer, port_box: list[int]):
 
 
 class _Server(ThreadingHTTPServer):
+    def __init__(self, address: tuple[str, int], handler_class: type[BaseHandler]):
+        super().__init__(address, handler_class)
+        self.token = secrets.token_urlsafe(32)  # the printed URL's: whoever was given it, and no one else
+
     def handle_error(self, request, client_address) -> None:
         """One line, not a traceback; a browser that went away mid-answer is not worth one."""
         error = sys.exc_info()[1]
@@ -178,7 +212,8 @@ def listen(handler_class: type[BaseHandler], port_box: list[int], what: str) -> 
         return 2
     port_box[0] = server.server_address[1]
     try:
-        console.out.print(f"{what} at http://127.0.0.1:{port_box[0]}/ (Ctrl-C stops)")
+        console.out.print(f"{what} at http://127.0.0.1:{port_box[0]}/?token={server.token} (Ctrl-C stops)",
+                          markup=False, highlight=False, soft_wrap=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
