@@ -295,7 +295,7 @@ def test_models_stats_and_404(scripted_server):
     with pytest.raises(openai.InternalServerError):
         chat(client, "bad")
     stats = httpx.get(f"{handle.root_url}/_stats").json()
-    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}, "stream_events": 0}
+    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}, "stream_events": 0, "billed": 1}
     assert handle.stats() == stats
 
     missing = httpx.get(f"{handle.root_url}/v1/nope")
