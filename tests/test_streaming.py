@@ -107,6 +107,7 @@ def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypa
     ({"end": "reset", "done": False}, True),  # the finish reason and the usage, then a RST without [DONE]
     ({"end": "close", "done": False}, True),
     ({"end": "reset", "pieces": 2, "chunk_delay": 0.01}, True),  # each event in a read of its own
+    ({"end": "hold"}, True),  # the end never comes: kept after END_GRACE, not at the --request_timeout
     ({"end": "reset"}, False),  # a whole JSON body sent chunked, then a RST
     ({"end": "close"}, False),  # ... then a FIN short of the terminator
 ])
@@ -115,7 +116,7 @@ def test_a_complete_reply_is_kept_however_its_connection_ends(scripted_server, m
     (and paid for) again, whether the connection then ends with a RST or a FIN."""
     monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"default": [{"content": "paid for", "usage": {"cost": 0.5}, **ending}]})
-    (result,), _ = _call(_settings(server, max_retries=3, stream=stream))
+    (result,), _ = _call(_settings(server, max_retries=3, stream=stream, stall_timeout=600, request_timeout=60))
     assert result.message["content"] == "paid for" and result.usage["cost"] == 0.5
     assert server.stats()["billed"] == server.stats()["requests"] == 1
 

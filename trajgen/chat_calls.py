@@ -10,9 +10,10 @@ a streamed chunk) is an error object is treated like the status it names; one th
 completion is MalformedResponse, and one larger than --max_reply_mb is ReplyTooLarge.
 
 A reply that has fully arrived is kept however its connection ends afterwards (a RST, a FIN short
-of the chunked terminator, a late end): it was paid for, and asking again would pay again. Fully
-arrived: a stream's `data: [DONE]`, or its finish reason and its usage; an unstreamed body whose
-bytes parse as a whole JSON object (a Content-Length body that arrived whole never meets a fault).
+of the chunked terminator, an end that does not come within END_GRACE): it was paid for, and asking
+again would pay again. Fully arrived: a stream's `data: [DONE]`, or its finish reason and its usage;
+an unstreamed body whose bytes parse as a whole JSON object (a Content-Length body that arrived
+whole never meets a fault).
 A body is read as an event stream when it says so or when it starts like one, whatever its
 Content-Type.
 """
@@ -53,6 +54,7 @@ BOM = b"\xef\xbb\xbf"
 EVENT_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")  # the first line of an event stream
 BATCH_SECONDS = 0.1  # a trickling stream's socket is read at most this often once its first token is in
 FAST_READ = 1 << 16  # a read this large: the reply is flowing fast, not trickling, and is read without a pause
+END_GRACE = 1.0  # seconds the end of a stream's body may take once its reply is whole; then the connection is closed
 
 
 class Stalled(TimeoutError):
@@ -202,19 +204,25 @@ async def _events(response: aiohttp.ClientResponse, pieces: AsyncIterator[bytes]
     """A streamed reply assembled (stream.py), and when its first token came."""
     reader, assembly, size, first_token, resume = stream.EventReader(), stream.Assembly(), 0, None, None
     pause = min(BATCH_SECONDS, settings.stall_timeout / 2)  # never long enough to look like a stall
+    ending = asyncio.timeout(None)  # once the reply is whole, the end of its body has END_GRACE to come
     try:
-        async for piece in pieces:
-            size += len(piece)
-            if size > settings.max_reply_bytes:
-                raise too_large(size, settings.max_reply_bytes)
-            for data in reader.feed(piece):
-                if assembly.add(data) and first_token is None:
-                    first_token = time.monotonic()
-            if first_token is not None and len(piece) < FAST_READ and not assembly.ended:
-                if resume is not None:  # fired already, unless aiohttp resumed reading itself (a compressed body)
-                    resume.cancel()
-                resume = _pause_reading(response, pause)
-    except (aiohttp.ClientError, OSError):  # reset, cut short, or late (a stall): only an incomplete reply is lost
+        async with ending:
+            async for piece in pieces:
+                size += len(piece)
+                if size > settings.max_reply_bytes:
+                    if assembly.complete:  # bytes after the reply: not read
+                        break
+                    raise too_large(size, settings.max_reply_bytes)
+                for data in reader.feed(piece):
+                    if assembly.add(data) and first_token is None:
+                        first_token = time.monotonic()
+                if assembly.complete and ending.when() is None:
+                    ending.reschedule(asyncio.get_running_loop().time() + END_GRACE)
+                if first_token is not None and len(piece) < FAST_READ and not assembly.ended:
+                    if resume is not None:  # fired already, unless aiohttp resumed reading itself (a compressed body)
+                        resume.cancel()
+                    resume = _pause_reading(response, pause)
+    except (aiohttp.ClientError, OSError):  # reset, cut, late (a stall, END_GRACE): only an incomplete reply is lost
         if not assembly.complete:
             raise
     finally:

@@ -101,7 +101,9 @@ Faults of the connection (any request; ``times``/``then`` work with them too):
 - ``gzip``: the (unstreamed) body is sent gzip-compressed, with ``Content-Encoding: gzip``.
 - ``end``: ``"reset"`` or ``"close"``: once the whole answer is written (every event of a stream,
   or an unstreamed body, then sent chunked), the connection is reset (RST) or closed (FIN)
-  instead of the chunked body's terminator: a complete reply whose connection ends badly.
+  instead of the chunked body's terminator: a complete reply whose connection ends badly;
+  ``"hold"`` (streams): the terminator never comes, and the connection stays open until the
+  client closes it.
 - ``content_type``: the answer's Content-Type instead of ``text/event-stream`` or
   ``application/json`` (a stream served as ``text/plain``).
 - ``trailing``: these bytes are written right after the body (in the same write), on a
@@ -818,7 +820,7 @@ class HttpServer:
             self.backend.stream_events += len(plan.events)
             self.backend.billed += plan.complete_after is not None
             writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events))
-            return await self._end(writer, plan, keep_alive)
+            return await self._end(reader, writer, plan, keep_alive)
         writer.write(head)
         await writer.drain()
         for n, event in enumerate(plan.events):
@@ -841,15 +843,17 @@ class HttpServer:
                 if plan.write_bytes:
                     await asyncio.sleep(0.002)  # apart, so that the client reads them apart
             self.backend.stream_events += 1
-        return await self._end(writer, plan, keep_alive)
+        return await self._end(reader, writer, plan, keep_alive)
 
     @staticmethod
-    async def _end(writer: asyncio.StreamWriter, plan: Streamed, keep_alive: bool) -> bool:
+    async def _end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plan: Streamed, keep_alive: bool) -> bool:
         """The chunked terminator, or the plan's bad end instead of it."""
         writer.write(b"0\r\n\r\n" if plan.end is None else b"")
         await writer.drain()
         if plan.end == "reset":
             _reset(writer)
+        elif plan.end == "hold":
+            await _until_closed(reader)
         return keep_alive and plan.end is None
 
     async def _route(self, req: Request) -> Outcome:
