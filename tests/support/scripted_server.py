@@ -287,7 +287,7 @@ class Streamed:
     stall_after: int | None = None
     cut_after: int | None = None
     complete_after: int | None = None  # the events that make the whole reply (billed once written); None: never whole
-    end: str | None = None  # "reset" or "close" instead of the chunked terminator
+    end: str | None = None  # "reset", "close" or "hold" instead of the chunked terminator
 
 
 @dataclass
@@ -459,9 +459,10 @@ class ScriptedBackend:
         typed = {"Content-Type": reply["content_type"]} if "content_type" in reply else {}
         if body.get("stream") is True:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            done = reply.get("done", True) is not False
             events = stream_chunks(completion, include_usage, int(reply.get("pieces") or 0), reply.get("stream_error"),
-                                   reply.get("done", True))
-            whole = None if reply.get("stream_error") else len(events) - (reply.get("done", True) is not False)
+                                   done)
+            whole = None if reply.get("stream_error") else len(events) - done  # billed once all but [DONE] are out
             plan = Streamed(events, float(reply.get("chunk_delay") or 0.0), int(reply.get("write_bytes") or 0),
                             bool(reply.get("comments")), reply.get("stall_after"), reply.get("cut_after"), whole,
                             reply.get("end"))
