@@ -9,8 +9,8 @@ import pytest
 from tests.conftest import call, read_jsonl, think, write_jsonl
 from toolset_distributions import DISTRIBUTIONS, get_distribution, sample_toolsets
 
-ROW_KEYS = {"prompt_index", "conversations", "metadata", "completed", "partial", "api_calls", "toolsets_used",
-            "tool_stats", "tool_error_counts", "tools", "verify"}
+ROW_KEYS = {"prompt_index", "conversations", "metadata", "completed", "partial", "truncated", "api_calls",
+            "toolsets_used", "tool_stats", "tool_error_counts", "tools", "verify"}
 
 
 def test_multi_turn_run_writes_the_four_kinds_of_files(cli, scripted_server):

@@ -105,3 +105,37 @@ def test_errors_become_failed_outcomes_with_a_traceback_only_when_unforeseen(ctx
     assert (timeout.reason, timeout.traceback) == ("PromptTimeout", None)
     api = decide(TASK, error=errors.APIConnectionError())
     assert api.reason == "APIConnectionError" and api.traceback is None
+
+
+def test_a_tool_call_cut_by_the_token_limit_is_never_run_and_its_row_is_discarded_as_truncated():
+    """finish_reason `length` in the middle of a tool call: its arguments may be cut short, so it is
+    not run (no sandbox is ever asked for), and the row says so; nobody trains on it."""
+    async def no_sandbox():
+        raise AssertionError("a truncated tool call reached the sandbox")
+
+    cut = Reply({"content": "", "reasoning": "write it",
+                 "tool_calls": [tool_call("terminal", '{"command": "rm -rf /tmp/x && echo do', "c1")]},
+                {"prompt_tokens": 10, "completion_tokens": 64}, finish_reason="length")
+    model = ScriptedModel([Reply({"content": "", "reasoning": "r", "tool_calls": [tool_call("web_search", "{}", "w")]},
+                                 finish_reason="tool_calls"), cut])
+    conv = converse(model, ToolContext(sandbox=no_sandbox))
+    assert conv.truncated and not conv.completed and len(model.requests) == 2
+    assert [c["function"]["name"] for c in conv.messages[-1]["tool_calls"]] == ["terminal"]
+    assert len(conv.results) == 1  # the first turn's call (not offered: it fails without a sandbox), not the cut one
+    row = agent.render_row(TASK, conv, SETTINGS)
+    assert (row["truncated"], row["completed"], row["partial"]) == (True, False, False)
+    assert row["metadata"]["finish_reasons"] == ["tool_calls", "length"]
+    assert row["conversations"][-1]["tool_calls"][0]["arguments"] == {
+        "_raw": '{"command": "rm -rf /tmp/x && echo do'}
+    outcome = decide(TASK, row=row, require_reasoning=False)
+    assert (outcome.status, outcome.reason) == (Status.DISCARDED, "truncated")
+    assert outcome.usage["completion_tokens"] == 64 and json.loads(outcome.row)["truncated"]
+
+
+def test_a_reply_cut_by_the_token_limit_without_tool_calls_completes():
+    """A cut answer has no call to run: the conversation ends as completed, its finish reason in the row."""
+    conv = converse(ScriptedModel([Reply({"content": "The answer is", "reasoning": "r"}, finish_reason="length")]),
+                    ToolContext(sandbox=lambda: None))
+    row = agent.render_row(TASK, conv, SETTINGS)
+    assert conv.completed and not row["truncated"] and row["metadata"]["finish_reasons"] == ["length"]
+    assert decide(TASK, row=row).status is Status.OK

@@ -113,3 +113,27 @@ def test_a_failed_prompt_counts_what_it_paid_toward_max_cost(inline, scripted_se
     assert [f["usage"]["cost"] for f in failures] == [0.5, 0.5]
     stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert (stats["failed"]["cost"], stats["cost"]) == (1.0, 1.0)
+
+
+def test_a_tool_call_cut_by_the_token_limit_is_recorded_as_truncated_and_never_run(inline, scripted_server, tmp_path):
+    """Streamed, its arguments cut and `finish_reason: length`: the call is not run (no tool result
+    goes back to the model), the row lands in discarded.jsonl as `truncated` with its finish reasons,
+    never in trajectories.jsonl; replayed from the cache, it is truncated again and not paid again."""
+    cut = {"tool_calls": [{"name": "terminal", "arguments": '{"command": "echo hi > /tmp/ran; ec'}],
+           "reasoning": "r", "finish_reason": "length", "pieces": 4, "usage": {"completion_tokens": 64}}
+    server = scripted_server({"prompts": {"cut": [cut]}, "default": [think()]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "cut"}, {"prompt": "fine"}])
+    cache = tmp_path / "cache"
+    for run_name in ("first", "from the cache"):
+        done = inline.run(*inline.args(server, run_name=run_name, cache_dir=cache))
+        assert done.returncode == 0, done.stderr
+        run_dir = inline.run_dir(run_name)
+        assert _prompts(run_dir / "trajectories.jsonl") == ["fine"]
+        discarded, = read_jsonl(run_dir / "discarded.jsonl")
+        assert discarded["reason"] == "truncated"
+        row = discarded["row"]
+        assert row["truncated"] and not row["completed"] and row["metadata"]["finish_reasons"] == ["length"]
+        assert row["tool_stats"]["terminal"]["count"] == 0 and row["metadata"]["usage"]["completion_tokens"] == 64
+        stats = json.loads((run_dir / "statistics.json").read_text())
+        assert stats["discarded"]["by_reason"] == {"truncated": 1}
+    assert _asked(server) == Counter({("cut", 0): 1, ("fine", 0): 1})  # asked once, never a second turn

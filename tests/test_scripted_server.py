@@ -124,6 +124,32 @@ def test_stream_true_answers_server_sent_events(scripted_server):
     assert final.usage.total_tokens == 7
 
 
+def test_billed_counts_every_complete_reply_written_however_its_connection_ends(scripted_server):
+    """What a provider bills: each 200 completion written whole, and each stream written up to its
+    usage; not an error, nor a stream cut or failed before it. The openai SDK, which reads a stream
+    whatever its Content-Type, sees the same reply under text/plain."""
+    handle = scripted_server({"prompts": {
+        "plain": [{"content": "a"}], "gzip": [{"content": "a", "gzip": True}],
+        "error": [{"status": 500}], "stream error": [{"content": "abc", "pieces": 1, "stream_error": {"after": 2}}],
+        "cut": [{"content": "abc", "pieces": 1, "cut_after": 3}],  # the finish reason is out, the usage is not
+        "reset": [{"content": "a", "end": "reset"}], "no done": [{"content": "a", "done": False, "end": "close"}],
+        "text": [{"content": "typed", "content_type": "text/plain"}]}})
+    client = client_for(handle)
+    for prompt in ("plain", "gzip", "reset", "error"):
+        try:
+            chat(client, prompt)
+        except (openai.APIError, httpx.HTTPError):
+            pass
+    texts = {}
+    for prompt in ("stream error", "cut", "no done", "text"):
+        try:
+            for chunk in chat(client, prompt, stream=True, stream_options={"include_usage": True}):
+                texts[prompt] = texts.get(prompt, "") + "".join(c.delta.content or "" for c in chunk.choices)
+        except (openai.APIError, httpx.HTTPError):
+            pass
+    assert texts["text"] == "typed" and handle.stats()["billed"] == 5 and handle.stats()["requests"] == 8
+
+
 def test_awkward_streams_assemble_in_the_openai_sdk_to_the_unstreamed_message(scripted_server):
     """Pieces of 3 characters, written 5 bytes at a time (inside UTF-8 characters and the JSON),
     comments between chunks, two tool calls interleaved with their ids and names apart: the SDK's
@@ -295,7 +321,7 @@ def test_models_stats_and_404(scripted_server):
     with pytest.raises(openai.InternalServerError):
         chat(client, "bad")
     stats = httpx.get(f"{handle.root_url}/_stats").json()
-    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}, "stream_events": 0}
+    assert stats == {"requests": 2, "by_status": {"200": 1, "500": 1}, "stream_events": 0, "billed": 1}
     assert handle.stats() == stats
 
     missing = httpx.get(f"{handle.root_url}/v1/nope")

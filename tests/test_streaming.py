@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,7 +33,7 @@ def _settings(server, **kw) -> ModelSettings:
     return replace(ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=0), **kw)
 
 
-def _call(settings: ModelSettings, prompt: str = "hi", times: int = 1) -> tuple[list, list[int]]:
+def _call(settings: ModelSettings, prompt: str = "hi", times: int = 1, on_retry=None) -> tuple[list, list[int]]:
     """`times` calls on one endpoint (one pool): their completions or errors, and the stalls heard."""
     stalls: list[int] = []
 
@@ -42,7 +43,8 @@ def _call(settings: ModelSettings, prompt: str = "hi", times: int = 1) -> tuple[
             for _ in range(times):
                 try:
                     results.append(await chat_calls.complete(endpoint, settings, [{"role": "user", "content": prompt}], TOOL,
-                                                      lambda: None, on_stall=lambda: stalls.append(1)))
+                                                      lambda: None, on_stall=lambda: stalls.append(1),
+                                                      on_retry=on_retry))
                 except Exception as e:  # noqa: BLE001 - the test looks at which
                     results.append(e)
         finally:
@@ -70,22 +72,122 @@ def test_an_awkward_stream_assembles_into_the_unstreamed_message(scripted_server
 
 
 @pytest.mark.parametrize("fault, retried", [
-    ({"stream_error": {"after": 3, "status": 503, "error": "upstream overloaded"}}, True),
-    ({"stall_after": 2}, True),
-    ({"cut_after": 2}, True),
-    ({"stream_error": {"after": 2, "status": 400, "error": "bad request"}}, False),
+    ({"stream_error": {"after": 3, "status": 503, "error": "upstream overloaded"}}, "HTTP 503"),
+    # a server_error that names no number: OpenRouter's code, OpenAI's type with a null code
+    ({"stream_error": {"after": 3, "status": 500, "error": "Provider disconnected", "code": "server_error"}}, "HTTP 500"),
+    ({"stream_error": {"after": 3, "status": 500, "error": "The server had an error", "code": None}}, "HTTP 500"),
+    ({"stall_after": 2}, "timeout"),
+    ({"cut_after": 2}, "connection error"),
+    ({"stream_error": {"after": 2, "status": 400, "error": "bad request"}}, None),
 ])
 def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypatch, fault, retried):
+    """A mid-stream error is retried as the status it names (a `server_error` as a 500); the retry
+    is announced with its cause as the progress line words it."""
+    from trajgen.process_pool import _Worker
     monkeypatch.setattr(chat_calls, "BACKOFF_BASE", 0.05)
     monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"default": [{"content": "a long answer", "pieces": 2, **fault, "times": 1,
                                            "then": {"content": "fine"}}]})
-    (result,), stalls = _call(_settings(server, max_retries=1, stall_timeout=0.5))
+    announced = []
+    worker = SimpleNamespace(send=announced.append)
+    settings = _settings(server, max_retries=1, stall_timeout=0.5)
+    (result,), stalls = _call(settings, on_retry=lambda *args: _Worker.retrying(worker, *args))
     if retried:
         assert result.message["content"] == "fine" and server.stats()["requests"] == 2
+        assert [(r.cause, r.attempt, r.wait) for r in announced] == [(retried, 1, 0.05)]
     else:
         assert isinstance(result, errors.ProviderError) and result.status == 400 and server.stats()["requests"] == 1
+        assert chat_calls.describe(result) == ("ProviderError", "bad request (status 400)") and not announced
     assert len(stalls) == ("stall_after" in fault)
+
+
+@pytest.mark.parametrize("ending, stream", [
+    ({"end": "reset"}, True),  # usage and [DONE], then a RST
+    ({"end": "close"}, True),  # usage and [DONE], then a FIN short of the chunked terminator
+    ({"end": "reset", "done": False}, True),  # the finish reason and the usage, then a RST without [DONE]
+    ({"end": "close", "done": False}, True),
+    ({"end": "reset", "pieces": 2, "chunk_delay": 0.01}, True),  # each event in a read of its own
+    ({"end": "hold"}, True),  # the end never comes: kept after END_GRACE, not at the --request_timeout
+    ({"end": "reset"}, False),  # a whole JSON body sent chunked, then a RST
+    ({"end": "close"}, False),  # ... then a FIN short of the terminator
+])
+def test_a_complete_reply_is_kept_however_its_connection_ends(scripted_server, monkeypatch, ending, stream):
+    """The server bills every complete reply it sends: one that arrived whole is kept, never asked
+    (and paid for) again, whether the connection then ends with a RST or a FIN."""
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
+    server = scripted_server({"default": [{"content": "paid for", "usage": {"cost": 0.5}, **ending}]})
+    (result,), _ = _call(_settings(server, max_retries=3, stream=stream, stall_timeout=600, request_timeout=60))
+    assert result.message["content"] == "paid for" and result.usage["cost"] == 0.5
+    assert server.stats()["billed"] == server.stats()["requests"] == 1
+
+
+@pytest.mark.parametrize("fault", [
+    {"cut_after": 3},  # the finish reason came, the usage never did: the reply may still have been going
+    {"end": "reset", "stream_error": {"after": 2, "status": 500}},  # an error, then the end: nothing complete
+])
+def test_a_reply_that_did_not_fully_arrive_is_asked_again(scripted_server, monkeypatch, fault):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
+    server = scripted_server({"default": [{"content": "ab", "pieces": 1, **fault, "times": 1,
+                                           "then": {"content": "fine"}}]})
+    (result,), _ = _call(_settings(server, max_retries=1))
+    assert result.message["content"] == "fine" and server.stats()["requests"] == 2
+    assert server.stats()["billed"] == 1
+
+
+def test_a_reply_is_whole_at_its_done_or_at_its_finish_reason_and_usage():
+    """The one rule, whatever ends the connection after it (a FIN, a RST, a short chunked body): a
+    finish reason without the usage asked for is not yet whole; nothing after `[DONE]` counts."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+    assembly = stream.Assembly()
+    assembly.add(json.dumps(chunk).encode())
+    assert assembly.ended and not assembly.complete
+    assembly.add(json.dumps({"choices": [], "usage": {"prompt_tokens": 1}}).encode())
+    assert assembly.complete and not assembly.done
+    done = stream.Assembly()
+    done.add(b"[DONE]")
+    done.add(b'{"error": {"message": "late", "code": 500}}')  # after the end: not part of the reply
+    assert done.complete and done.message() == {"role": "assistant"}
+
+
+@pytest.mark.parametrize("reply", [
+    {**AWKWARD, "content_type": "text/plain"}, {**AWKWARD, "content_type": "application/json"},
+    # read 2 bytes at a time: the first read, `da` (or `: `), does not yet tell a stream from JSON
+    {"content": "héllo ☃", "content_type": "application/json; charset=utf-8", "write_bytes": 2, "comments": True},
+    {"content": "héllo ☃", "content_type": "text/plain", "write_bytes": 2},
+])
+def test_a_stream_is_read_as_one_whatever_its_content_type(scripted_server, reply):
+    """As the openai SDK does: an event stream is told from JSON by its first bytes."""
+    server = scripted_server({"default": [reply]})
+    (streamed,), _ = _call(_settings(server))
+    (plain,), _ = _call(_settings(server, stream=False))
+    assert streamed.message == plain.message and streamed.usage == plain.usage
+    assert server.stats()["billed"] == server.stats()["requests"] == 2
+
+
+def test_a_json_body_served_as_text_is_read_as_json(scripted_server):
+    body = '{"choices": [{"message": {"role": "assistant", "content": "fine"}}], "model": "m"}'
+    raw = f"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(body) + 3}\r\n\r\n \r\n{body}"
+    server = scripted_server({"default": [{"raw": raw}]})
+    (result,), _ = _call(_settings(server))
+    assert result.message["content"] == "fine"
+
+
+@pytest.mark.parametrize("hint", ["soon", "nan", "inf", "-5", "NaN", "1e999", "Wed, 99 Foo 2026 00:00:00 GMT"])
+def test_a_retry_after_that_does_not_parse_falls_back_to_the_backoff(scripted_server, monkeypatch, hint):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
+    server = scripted_server({"default": [{"status": 429, "retry_after": hint, "times": 1}]})
+    waits = []
+    (result,), _ = _call(_settings(server, max_retries=1), on_retry=lambda error, attempt, retries, wait: waits.append(wait))
+    assert result.message["content"] == "ok" and waits == [0.05]
+    assert chat_calls._retry_after({"retry-after": hint}) is None
+
+
+def test_a_retry_after_that_parses_is_honoured():
+    assert chat_calls._retry_after({"retry-after": "7"}) == 7.0
+    assert chat_calls._retry_after({"retry-after-ms": "soon", "retry-after": "2.5"}) == 2.5
+    assert chat_calls._retry_after({"retry-after-ms": "1500"}) == 1.5
+    assert chat_calls._retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0  # in the past
+    assert chat_calls.retry_wait(errors.status_error(429, {"retry-after": "7"}, b""), 0.0, True) >= 7.0
 
 
 def test_a_stall_is_named_and_a_cut_stream_is_a_connection_error(scripted_server):

@@ -2,8 +2,10 @@
 
 `run_conversation` asks the model, runs the tools it calls, and repeats until a reply without
 tool calls (completed) or `max_turns` calls, when one last call without tools asks for a final
-answer (partial). It keeps one transcript, the messages as sent; `render_row` turns that into
-the ShareGPT row, a pure function of the conversation. Tool results are matched to calls by id.
+answer (partial), or until a reply cut by its token limit in the middle of its tool calls
+(truncated: they are never run, their arguments may be cut short). It keeps one transcript, the
+messages as sent; `render_row` turns that into the ShareGPT row, a pure function of the
+conversation. Tool results are matched to calls by id.
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ class Conversation:
     results: list[dict] = field(default_factory=list)  # each tool result, in the order of the tool messages
     usage: dict = field(default_factory=no_usage)
     timings: list[dict] = field(default_factory=list)  # each reply's timing (empty when it had none)
+    finish_reasons: list = field(default_factory=list)  # each reply's finish reason, as the endpoint sent it
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
+    truncated: bool = False  # ended on a reply whose tool calls the token limit cut (finish reason `length`)
     wall_seconds: float = 0.0
     ended_at: str = ""
 
@@ -41,6 +45,7 @@ class Conversation:
             self.served_by.append(reply.served_by)
         add_usage(self.usage, reply.usage)
         self.timings.append(reply.timing)
+        self.finish_reasons.append(reply.finish_reason)
         calls = [] if final_call else [
             {"id": c.get("id") or f"call_{len(self.replies)}_{i}", "type": "function",
              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments")}}
@@ -66,9 +71,13 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
         final_call = turn == settings.max_turns
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
-        calls = conv.add_reply(await model.complete(messages, schemas, forbid_tools=final_call), final_call)
+        reply = await model.complete(messages, schemas, forbid_tools=final_call)
+        calls = conv.add_reply(reply, final_call)
         if not calls:
             conv.completed = not final_call
+            break
+        if reply.finish_reason == "length":
+            conv.truncated = True
             break
         for call in calls:
             result = await registry.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
@@ -126,12 +135,14 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "request": request_provenance(settings, conv.served_by),
         "dataset": {"fingerprint": task.dataset_fingerprint, "line": task.prompt_index + 1},
         "hallucinated_tools": hallucinated, "assistant_turns": len(conv.replies), "turns_with_reasoning": reasoning_turns,
+        "finish_reasons": conv.finish_reasons,
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
     }
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
-        "completed": conv.completed, "partial": not conv.completed, "api_calls": len(conv.replies),
+        "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,
+        "api_calls": len(conv.replies),
         "toolsets_used": task.toolsets_offered, "tool_stats": stats,
         "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
     }

@@ -8,6 +8,14 @@ never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop t
 model or the endpoint does not exist); other 4xx fail the prompt at once. A 200 whose body (or
 a streamed chunk) is an error object is treated like the status it names; one that is not a
 completion is MalformedResponse, and one larger than --max_reply_mb is ReplyTooLarge.
+
+A reply that has fully arrived is kept however its connection ends afterwards (a RST, a FIN short
+of the chunked terminator, an end that does not come within END_GRACE): it was paid for, and asking
+again would pay again. Fully arrived: a stream's `data: [DONE]`, or its finish reason and its usage;
+an unstreamed body whose bytes parse as a whole JSON object (a Content-Length body that arrived
+whole never meets a fault).
+A body is read as an event stream when it says so or when it starts like one, whatever its
+Content-Type.
 """
 from __future__ import annotations
 
@@ -15,12 +23,14 @@ import asyncio
 import email.utils
 import functools
 import ipaddress
+import math
 import os
 import random
 import ssl
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -41,8 +51,10 @@ OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just thi
 CONNECT_TIMEOUT = 10.0  # seconds to connect, TLS handshake and proxy tunnel included (the openai SDK allows 5)
 ERROR_BODY_LIMIT = 1 << 16  # bytes of a non-2xx body kept for its message
 BOM = b"\xef\xbb\xbf"
+EVENT_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")  # the first line of an event stream
 BATCH_SECONDS = 0.1  # a trickling stream's socket is read at most this often once its first token is in
 FAST_READ = 1 << 16  # a read this large: the reply is flowing fast, not trickling, and is read without a pause
+END_GRACE = 1.0  # seconds the end of a stream's body may take once its reply is whole; then the connection is closed
 
 
 class Stalled(TimeoutError):
@@ -92,10 +104,12 @@ class Endpoint:
                     if not 200 <= response.status < 300:
                         text = await _read(response, ERROR_BODY_LIMIT, truncate=True)
                         raise status_error(response.status, response.headers, text)
-                    if response.content_type == "text/event-stream":
-                        completion, first_token = await _events(response, self.settings)
+                    events, pieces = await _sniffed(response)
+                    if events:
+                        completion, first_token = await _events(response, pieces, self.settings)
                     else:  # not streamed, or an endpoint that ignores `stream`
-                        completion = parse_completion(await _read(response, self.settings.max_reply_bytes))
+                        body = await _read(response, self.settings.max_reply_bytes, pieces=pieces)
+                        completion = parse_completion(body)
                         first_token = None
         except aiohttp.ConnectionTimeoutError:
             raise APITimeoutError() from TimeoutError(
@@ -125,49 +139,99 @@ def trust() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=cafile or (None if capath else certifi.where()), capath=capath)
 
 
-async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytearray:
+async def _read(response: aiohttp.ClientResponse, limit: int, truncate: bool = False,
+                pieces: AsyncIterator[bytes] | None = None) -> bytearray:
     """The (decoded) body, never holding more than `limit` bytes (and no second copy of them): past
-    it, the start of it with `truncate`, else ReplyTooLarge."""
+    it, the start of it with `truncate`, else ReplyTooLarge. A body whose connection breaks after
+    the last byte of its JSON stands: a chunked or close-delimited body has no other sign of its
+    end, and the reply was paid for."""
     if not truncate and response.content_length is not None and response.content_length > limit:
         raise too_large(response.content_length, limit)
     body = bytearray()
-    async for piece in response.content.iter_any():
-        if len(body) + len(piece) > limit:
-            if truncate:
-                body += piece[:limit - len(body)]
-                break
-            raise too_large(len(body) + len(piece), limit)
-        body += piece
+    try:
+        async for piece in pieces or response.content.iter_any():
+            if len(body) + len(piece) > limit:
+                if truncate:
+                    body += piece[:limit - len(body)]
+                    break
+                raise too_large(len(body) + len(piece), limit)
+            body += piece
+    except (aiohttp.ClientError, OSError):
+        if truncate or not _json_object(body):
+            raise
     if body.startswith(BOM):
         del body[:len(BOM)]
     return body
 
 
-async def _events(response: aiohttp.ClientResponse, settings: ModelSettings) -> tuple[Completion, float | None]:
+def _json_object(body: bytearray) -> bool:
+    try:
+        return isinstance(orjson.loads(memoryview(body)[len(BOM):] if body.startswith(BOM) else body), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+async def _sniffed(response: aiohttp.ClientResponse) -> tuple[bool, AsyncIterator[bytes]]:
+    """Whether the body is an event stream, and its pieces from the first: a stream served as
+    text/plain or application/json is one all the same (the openai SDK reads it whatever its type),
+    told apart from JSON by its first bytes."""
+    pieces = response.content.iter_any()
+    if response.content_type == "text/event-stream":
+        return True, pieces
+    head = b""
+    async for piece in pieces:
+        head += piece
+        if not _undecided(head) or len(head) >= FAST_READ:
+            break
+
+    async def again() -> AsyncIterator[bytes]:
+        if head:
+            yield head
+        async for piece in pieces:
+            yield piece
+
+    return head.removeprefix(BOM).lstrip().startswith(EVENT_STARTS), again()
+
+
+def _undecided(head: bytes) -> bool:
+    """Too few bytes yet to tell an event stream from JSON (blank, or the start of `data:`)."""
+    start = head.removeprefix(BOM).lstrip()
+    return BOM.startswith(head) or any(len(start) < len(e) and e.startswith(start) for e in EVENT_STARTS)
+
+
+async def _events(response: aiohttp.ClientResponse, pieces: AsyncIterator[bytes],
+                  settings: ModelSettings) -> tuple[Completion, float | None]:
     """A streamed reply assembled (stream.py), and when its first token came."""
     reader, assembly, size, first_token, resume = stream.EventReader(), stream.Assembly(), 0, None, None
     pause = min(BATCH_SECONDS, settings.stall_timeout / 2)  # never long enough to look like a stall
+    ending = asyncio.timeout(None)  # once the reply is whole, the end of its body has END_GRACE to come
     try:
-        async for piece in response.content.iter_any():
-            size += len(piece)
-            if size > settings.max_reply_bytes:
-                raise too_large(size, settings.max_reply_bytes)
-            for data in reader.feed(piece):
-                if assembly.add(data) and first_token is None:
-                    first_token = time.monotonic()
-            if first_token is not None and len(piece) < FAST_READ and not assembly.ended:
-                if resume is not None:  # fired already, unless aiohttp resumed reading itself (a compressed body)
-                    resume.cancel()
-                resume = _pause_reading(response, pause)
-    except aiohttp.SocketTimeoutError:
-        if not assembly.done:  # complete, and only the end of the body is late: the reply stands
+        async with ending:
+            async for piece in pieces:
+                size += len(piece)
+                if size > settings.max_reply_bytes:
+                    if assembly.complete:  # bytes after the reply: not read
+                        break
+                    raise too_large(size, settings.max_reply_bytes)
+                for data in reader.feed(piece):
+                    if assembly.add(data) and first_token is None:
+                        first_token = time.monotonic()
+                if assembly.complete and ending.when() is None:
+                    ending.reschedule(asyncio.get_running_loop().time() + END_GRACE)
+                if first_token is not None and len(piece) < FAST_READ and not assembly.ended:
+                    if resume is not None:  # fired already, unless aiohttp resumed reading itself (a compressed body)
+                        resume.cancel()
+                    resume = _pause_reading(response, pause)
+    except (aiohttp.ClientError, OSError):  # reset, cut, late (a stall, END_GRACE): only an incomplete reply is lost
+        if not assembly.complete:
             raise
     finally:
         if resume is not None:
             resume.cancel()
-    if not assembly.ended:
-        raise APIConnectionError("the stream ended before the reply did")
-    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider), first_token
+    if not assembly.complete:
+        raise APIConnectionError("the stream ended before the reply did (no [DONE], nor a finish reason and usage)")
+    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider,
+                      assembly.finish_reason), first_token
 
 
 def _pause_reading(response: aiohttp.ClientResponse, seconds: float) -> asyncio.TimerHandle | None:
@@ -276,6 +340,7 @@ class Completion:
     usage: object  # the usage object as sent (checked by the caller), None when absent
     model: object  # the `model` field as sent
     provider: object  # OpenRouter's `provider` field, when present
+    finish_reason: object = None  # the first choice's, as sent ("length": cut by max_tokens)
     timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
 
 
@@ -288,24 +353,35 @@ def parse_completion(body: bytes | bytearray) -> Completion:
     if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
         raise MalformedResponse(f"the reply's first choice has no message: {str(choices[0])[:200]}")
     message = {k: v for k, v in choices[0]["message"].items() if v is not None}
-    return Completion(message, data.get("usage"), data.get("model"), data.get("provider"))
+    return Completion(message, data.get("usage"), data.get("model"), data.get("provider"),
+                      choices[0].get("finish_reason"))
 
 
 def _retry_after(headers) -> float | None:
-    """Seconds the endpoint asks us to wait (Retry-After-Ms, Retry-After: seconds or a date)."""
-    if value := headers.get("retry-after-ms"):
-        try:
-            return float(value) / 1000
-        except ValueError:
-            pass
+    """Seconds the endpoint asks us to wait (Retry-After-Ms, Retry-After: seconds or a date), or
+    None when it asks nothing we can read (`soon`, `nan`, `inf`, a negative number): the backoff
+    alone decides then."""
+    if (seconds := _seconds(headers.get("retry-after-ms"))) is not None:
+        return seconds / 1000
     value = headers.get("retry-after")
     if not value:
         return None
+    if (seconds := _seconds(value)) is not None:
+        return seconds
     try:
-        return float(value)
-    except ValueError:
         parsed = email.utils.parsedate_to_datetime(value)
-        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+    except (TypeError, ValueError, IndexError, OverflowError):  # what the date parser raises for other text
+        return None
+    return max(0.0, parsed.timestamp() - time.time())
+
+
+def _seconds(value: str | None) -> float | None:
+    """A header's number of seconds, when it is one a wait can be: finite and not negative."""
+    try:
+        seconds = float(value or "nan")
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def status_of(error: Exception) -> int | None:

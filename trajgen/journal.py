@@ -165,8 +165,10 @@ def entry(message: Replied) -> dict:
 
 def _record(reply: Reply) -> dict:
     """Everything a reply carries into its row: a replayed reply must render the row a paid one did."""
-    return {"message": reply.message, "usage": reply.usage, "served_by": reply.served_by, "timing": reply.timing}
+    return {"message": reply.message, "usage": reply.usage, "served_by": reply.served_by, "timing": reply.timing,
+            "finish_reason": reply.finish_reason}
 
 
 def _reply(record: dict) -> Reply:
-    return Reply(record["message"], record["usage"], record.get("served_by", {}), record.get("timing", {}))
+    return Reply(record["message"], record["usage"], record.get("served_by", {}), record.get("timing", {}),
+                 record.get("finish_reason"))

@@ -25,6 +25,7 @@ class Reply:
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, reasoning_tokens, cost (any missing)
     served_by: dict = field(default_factory=dict)  # the response's `model`, and `provider` when OpenRouter names one
     timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
+    finish_reason: object = None  # as the endpoint sent it ("length": cut by the token limit)
 
 
 class ModelClient(Protocol):
@@ -52,7 +53,7 @@ class OpenAIModel:
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, _usage(response.usage))
-        return replace(reply, served_by=served_by, timing=response.timing)
+        return replace(reply, served_by=served_by, timing=response.timing, finish_reason=response.finish_reason)
 
 
 def _short(value) -> str:
@@ -163,7 +164,7 @@ class ScriptedModel:
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
-        return checked(reply.message, reply.usage)
+        return replace(checked(reply.message, reply.usage), finish_reason=reply.finish_reason)
 
 
 def tool_call(name: str, arguments: str = "{}", call_id: str | None = None) -> dict:

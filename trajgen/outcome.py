@@ -23,7 +23,7 @@ OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, err
 
 class Status(enum.Enum):
     OK = "ok"  # a row for the batch files
-    DISCARDED = "discarded"  # a finished conversation the quality filter rejects; resume does not retry it
+    DISCARDED = "discarded"  # a finished conversation the quality filter rejects (or truncated); never retried
     FAILED = "failed"  # no usable conversation; resume retries it
 
 
@@ -59,6 +59,8 @@ def decide(task: Task, row: dict | None = None, error: BaseException | None = No
         reason, message, trace = _named(error)
         return PromptOutcome(*base, Status.FAILED, usage=usage or no_usage(), reason=reason, message=message,
                              traceback=trace)
+    if row.get("truncated"):  # tool calls cut by the token limit: never training data, and asking again pays again
+        return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="truncated", files=files or {})
     if require_reasoning and not row["metadata"]["turns_with_reasoning"]:
         return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="no_reasoning", files=files or {})
     return PromptOutcome(*base, Status.OK, row=data, usage=usage, files=files or {})

@@ -13,6 +13,7 @@ import orjson
 from trajgen.errors import MalformedResponse, ProviderError
 
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # concatenated in order, as the providers send them
+NAMED_STATUS = {"server_error": 500}  # an error object's `code` or `type` that names no number (OpenAI, OpenRouter)
 
 
 class EventReader:
@@ -67,8 +68,17 @@ class Assembly:
         """`data: [DONE]` or a finish reason came: nothing but the usage is to follow."""
         return self.done or self.finish_reason is not None
 
+    @property
+    def complete(self) -> bool:
+        """The whole reply has arrived (`data: [DONE]`, or its finish reason and its usage): it stands
+        however the connection ends."""
+        return self.done or (self.finish_reason is not None and self.usage is not None)
+
     def add(self, data: bytes) -> bool:
-        """Take one event's data; True when it carried part of the answer."""
+        """Take one event's data; True when it carried part of the answer. Nothing after
+        `data: [DONE]` is part of the reply."""
+        if self.done:
+            return False
         if data == b"[DONE]":
             self.done = True
             return False
@@ -145,7 +155,11 @@ def json_object(data: bytes | bytearray, what: str) -> dict:
 
 
 def provider_error(error: dict) -> ProviderError:
-    """An `{"error": {...}}` object, in a 200 body or mid-stream: the status it names decides the retry."""
+    """An `{"error": {...}}` object, in a 200 body or mid-stream: the status it names decides the
+    retry, a number in `code`, or a `server_error` in `code` or `type` (a 500)."""
     code = error.get("code")
     status = int(code) if isinstance(code, (int, str)) and str(code).isdigit() else None
+    if status is None:
+        named = [NAMED_STATUS[n] for n in (code, error.get("type")) if isinstance(n, str) and n in NAMED_STATUS]
+        status = named[0] if named else None
     return ProviderError(str(error.get("message") or error)[:2000], status)

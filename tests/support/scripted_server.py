@@ -8,13 +8,15 @@ Endpoints
 ---------
 ``POST /v1/chat/completions`` (also ``/chat/completions``), ``GET /v1/models``
 (also ``/models``), ``POST /_script`` (replace the script; resets ``times``
-counters), ``GET /_stats`` -> ``{"requests": n, "by_status": {"200": n, ...}}``.
+counters), ``GET /_stats`` -> ``{"requests": n, "by_status": {"200": n, ...}, "stream_events": n, "billed": n}``.
 Anything else answers 404 with an OpenAI-style error body. A chat request with
 ``"stream": true`` gets its reply as server-sent events, in a chunked body: by default
 one chunk whose delta is the whole message, a usage chunk if ``stream_options.include_usage``,
 then ``[DONE]`` (the reply keys below stream it awkwardly). Only chat-completion requests are
-counted in ``/_stats`` (which also counts ``stream_events``, the events written so far) and
-written to the log.
+counted in ``/_stats`` (which also counts ``stream_events``, the events written so far, and
+``billed``, the complete replies written: a 200 completion body, or a stream up to its usage
+chunk, as a provider bills what it generated whether or not the client keeps it) and written
+to the log.
 
 Script format (a dict, or a JSON file holding one)
 --------------------------------------------------
@@ -87,6 +89,9 @@ Streamed replies (requests with ``"stream": true``) also take:
   ``{"error": ...}`` event, and the stream ends.
 - ``stall_after``: N: after N chunks nothing more is sent until the client leaves.
 - ``cut_after``: N: after N chunks the connection is closed in the middle of the body.
+- ``done``: false: no ``data: [DONE]`` event (the stream ends after its finish reason and usage).
+- ``stream_error`` may also take ``code``: the error object's ``code`` instead of the status
+  (``"server_error"`` as OpenRouter sends it mid-stream, or null).
 
 Faults of the connection (any request; ``times``/``then`` work with them too):
 
@@ -94,6 +99,13 @@ Faults of the connection (any request; ``times``/``then`` work with them too):
 - ``raw``: this exact text (latin-1) is written as the whole response, then the
   connection is closed: malformed lengths, folded headers, duplicate headers.
 - ``gzip``: the (unstreamed) body is sent gzip-compressed, with ``Content-Encoding: gzip``.
+- ``end``: ``"reset"`` or ``"close"``: once the whole answer is written (every event of a stream,
+  or an unstreamed body, then sent chunked), the connection is reset (RST) or closed (FIN)
+  instead of the chunked body's terminator: a complete reply whose connection ends badly;
+  ``"hold"`` (streams): the terminator never comes, and the connection stays open until the
+  client closes it.
+- ``content_type``: the answer's Content-Type instead of ``text/event-stream`` or
+  ``application/json`` (a stream served as ``text/plain``).
 - ``trailing``: these bytes are written right after the body (in the same write), on a
   kept-alive connection; with ``trailing_delay`` (seconds), that long after it instead.
 
@@ -125,6 +137,7 @@ import os
 import signal
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -273,6 +286,8 @@ class Streamed:
     comments: bool = False
     stall_after: int | None = None
     cut_after: int | None = None
+    complete_after: int | None = None  # the events that make the whole reply (billed once written); None: never whole
+    end: str | None = None  # "reset", "close" or "hold" instead of the chunked terminator
 
 
 @dataclass
@@ -284,6 +299,8 @@ class Raw:
     close: bool = True
     later: bytes = b""
     later_delay: float = 0.0
+    reset: bool = False  # end with a RST instead of a FIN
+    billed: bool = False  # `data` is a complete reply
 
 
 @dataclass
@@ -295,6 +312,7 @@ class Outcome:
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     gate: threading.Event | None = None  # held until the test opens it
+    billed: bool = False  # the payload is a complete reply (a Raw or a Streamed one says so itself)
 
 
 class ScriptedBackend:
@@ -318,6 +336,7 @@ class ScriptedBackend:
         self._total = 0
         self._by_status: dict[str, int] = {}
         self.stream_events = 0  # events written by streamed answers (the HTTP layer counts them)
+        self.billed = 0  # complete replies written (the HTTP layer counts them)
         self.log_path = os.fspath(log_path) if log_path else None
         self._log_file = open(self.log_path, "ab") if self.log_path else None
         self._memory: list[dict[str, Any]] | None = (
@@ -347,7 +366,8 @@ class ScriptedBackend:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"requests": self._total, "by_status": dict(self._by_status), "stream_events": self.stream_events}
+            return {"requests": self._total, "by_status": dict(self._by_status), "stream_events": self.stream_events,
+                    "billed": self.billed}
 
     def requests(self) -> list[dict[str, Any]]:
         """Logged requests: parsed from the log file, else the in-memory copy."""
@@ -436,23 +456,33 @@ class ScriptedBackend:
                 headers["Retry-After"] = str(reply["retry_after"])
             return Outcome(status, error_payload(status, message), headers, delay)
         completion = self._completion(reply, body)
+        typed = {"Content-Type": reply["content_type"]} if "content_type" in reply else {}
         if body.get("stream") is True:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            plan = Streamed(stream_chunks(completion, include_usage, int(reply.get("pieces") or 0),
-                                          reply.get("stream_error")),
-                            float(reply.get("chunk_delay") or 0.0), int(reply.get("write_bytes") or 0),
-                            bool(reply.get("comments")), reply.get("stall_after"), reply.get("cut_after"))
-            return Outcome(200, plan, SSE_HEADERS, delay)
+            done = reply.get("done", True) is not False
+            events = stream_chunks(completion, include_usage, int(reply.get("pieces") or 0), reply.get("stream_error"),
+                                   done)
+            whole = None if reply.get("stream_error") else len(events) - done  # billed once all but [DONE] are out
+            plan = Streamed(events, float(reply.get("chunk_delay") or 0.0), int(reply.get("write_bytes") or 0),
+                            bool(reply.get("comments")), reply.get("stall_after"), reply.get("cut_after"), whole,
+                            reply.get("end"))
+            return Outcome(200, plan, {**SSE_HEADERS, **typed}, delay)
         if reply.get("chunk_delay"):  # the generation takes as long unstreamed: its answer waits for all of it
             delay += float(reply["chunk_delay"]) * (len(stream_chunks(completion, False, int(reply.get("pieces") or 0))) - 1)
         if reply.get("gzip"):
-            return Outcome(200, gzip.compress(dumps(completion)), {"Content-Encoding": "gzip"}, delay)
+            return Outcome(200, gzip.compress(dumps(completion)), {"Content-Encoding": "gzip"}, delay, billed=True)
+        if reply.get("end"):  # sent chunked, and the terminator never comes
+            answer = encode_response(200, b"", typed, True).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+            data = dumps(completion)
+            return Outcome(200, Raw(answer + b"%x\r\n%s\r\n" % (len(data), data), reset=reply["end"] == "reset",
+                                    billed=True), {}, delay)
         if "trailing" in reply:
             answer, trailing = encode_response(200, dumps(completion), {}, True), str(reply["trailing"]).encode("latin-1")
             if reply.get("trailing_delay"):
-                return Outcome(200, Raw(answer, False, trailing, float(reply["trailing_delay"])), {}, delay)
-            return Outcome(200, Raw(answer + trailing, close=False), {}, delay)
-        return Outcome(200, completion, {}, delay)
+                late = float(reply["trailing_delay"])
+                return Outcome(200, Raw(answer, False, trailing, late, billed=True), {}, delay)
+            return Outcome(200, Raw(answer + trailing, close=False, billed=True), {}, delay)
+        return Outcome(200, completion, typed, delay, billed=True)
 
     def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
         """A ``chat.completion`` object as the OpenAI API would send it."""
@@ -511,11 +541,11 @@ def stream_events(completion: dict[str, Any], include_usage: bool) -> bytes:
 
 
 def stream_chunks(completion: dict[str, Any], include_usage: bool, pieces: int = 0,
-                  error: dict[str, Any] | None = None) -> list[bytes]:
+                  error: dict[str, Any] | None = None, done: bool = True) -> list[bytes]:
     """The completion as ``chat.completion.chunk`` events, then the usage chunk if asked for and
-    ``[DONE]``. With ``pieces``, text and arguments come in deltas of that many characters, each
-    tool call's id and name in chunks of their own, the calls interleaved by index. With
-    ``error``, an error event replaces everything after its ``after`` chunks."""
+    ``[DONE]`` (unless not `done`). With ``pieces``, text and arguments come in deltas of that many
+    characters, each tool call's id and name in chunks of their own, the calls interleaved by index.
+    With ``error``, an error event replaces everything after its ``after`` chunks."""
     choice = completion["choices"][0]
     message = choice["message"]
     head = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
@@ -525,11 +555,13 @@ def stream_chunks(completion: dict[str, Any], include_usage: bool, pieces: int =
     chunks[-1]["choices"][0]["finish_reason"] = choice["finish_reason"]
     if include_usage:
         chunks.append({**head, "choices": [], "usage": completion["usage"]})
-    events = [b"data: " + dumps(chunk) + b"\n\n" for chunk in chunks] + [b"data: [DONE]\n\n"]
+    events = [b"data: " + dumps(chunk) + b"\n\n" for chunk in chunks] + ([b"data: [DONE]\n\n"] if done else [])
     if error:
         after = int(error.get("after", 0))
         status = int(error.get("status", 500))
         failure = error_payload(status, str(error.get("error") or f"scripted error {status}"))
+        if "code" in error:
+            failure["error"]["code"] = error["code"]
         events = events[:after] + [b"data: " + dumps(failure) + b"\n\n"]
     return events
 
@@ -754,23 +786,28 @@ class HttpServer:
                 return
             if request.headers.get("expect", "").lower() == "100-continue":
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            status, payload, headers = await self._route(request)
+            answer = await self._route(request)
+            payload = answer.payload
             if isinstance(payload, Raw):
+                self.backend.billed += payload.billed  # counted before it is sent, as the log is
                 writer.write(payload.data)
                 await writer.drain()
                 if payload.later:
                     await asyncio.sleep(payload.later_delay)
                     writer.write(payload.later)
                     await writer.drain()
-                if payload.close:
+                if payload.reset:
+                    _reset(writer)
+                if payload.close or payload.reset:
                     return
                 continue
             if isinstance(payload, Streamed):
-                if not await self._stream(reader, writer, payload, headers, request.keep_alive):
+                if not await self._stream(reader, writer, payload, answer.headers, request.keep_alive):
                     return
                 continue
             body = payload if isinstance(payload, bytes) else dumps(payload)
-            writer.write(encode_response(status, body, headers, request.keep_alive))
+            self.backend.billed += answer.billed
+            writer.write(encode_response(answer.status, body, answer.headers, request.keep_alive))
             await writer.drain()
             if not request.keep_alive:
                 return
@@ -781,10 +818,10 @@ class HttpServer:
         head = encode_response(200, b"", headers, keep_alive).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
         if not (plan.chunk_delay or plan.write_bytes or plan.comments or plan.stall_after is not None
                 or plan.cut_after is not None):  # nothing to pace: one write, as an unstreamed answer is
-            writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events) + b"0\r\n\r\n")
-            await writer.drain()
             self.backend.stream_events += len(plan.events)
-            return keep_alive
+            self.backend.billed += plan.complete_after is not None
+            writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events))
+            return await self._end(reader, writer, plan, keep_alive)
         writer.write(head)
         await writer.drain()
         for n, event in enumerate(plan.events):
@@ -798,6 +835,7 @@ class HttpServer:
                 await asyncio.sleep(plan.chunk_delay)
             if plan.comments:
                 event = b": OPENROUTER PROCESSING\n\n" + event
+            self.backend.billed += n + 1 == plan.complete_after
             step = plan.write_bytes or len(event)
             for i in range(0, len(event), step):
                 piece = event[i:i + step]
@@ -806,11 +844,20 @@ class HttpServer:
                 if plan.write_bytes:
                     await asyncio.sleep(0.002)  # apart, so that the client reads them apart
             self.backend.stream_events += 1
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        return keep_alive
+        return await self._end(reader, writer, plan, keep_alive)
 
-    async def _route(self, req: Request) -> tuple[int, Any, dict[str, str]]:
+    @staticmethod
+    async def _end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plan: Streamed, keep_alive: bool) -> bool:
+        """The chunked terminator, or the plan's bad end instead of it."""
+        writer.write(b"0\r\n\r\n" if plan.end is None else b"")
+        await writer.drain()
+        if plan.end == "reset":
+            _reset(writer)
+        elif plan.end == "hold":
+            await _until_closed(reader)
+        return keep_alive and plan.end is None
+
+    async def _route(self, req: Request) -> Outcome:
         path = req.path.rstrip("/") or "/"
         if req.method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
             outcome = self.backend.handle_chat(req.body, req.headers.get("authorization"))
@@ -818,21 +865,30 @@ class HttpServer:
                 await asyncio.sleep(0.02)
             if outcome.delay > 0:
                 await asyncio.sleep(outcome.delay)
-            return outcome.status, outcome.payload, outcome.headers
+            return outcome
         if req.method == "GET" and path in ("/v1/models", "/models"):
-            return 200, models_payload(), {}
+            return Outcome(200, models_payload())
         if req.method == "POST" and path == "/_script":
             return self._swap_script(req.body)
         if req.method == "GET" and path == "/_stats":
-            return 200, self.backend.stats(), {}
-        return 404, error_payload(404, f"no route for {req.method} {req.path}"), {}
+            return Outcome(200, self.backend.stats())
+        return Outcome(404, error_payload(404, f"no route for {req.method} {req.path}"))
 
-    def _swap_script(self, raw: bytes) -> tuple[int, Any, dict[str, str]]:
+    def _swap_script(self, raw: bytes) -> Outcome:
         try:
             self.backend.set_script(loads(raw))
         except ValueError as exc:
-            return 400, error_payload(400, f"bad script: {exc}"), {}
-        return 200, {"ok": True}, {}
+            return Outcome(400, error_payload(400, f"bad script: {exc}"))
+        return Outcome(200, {"ok": True})
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """End the connection with a RST (SO_LINGER 0), not a FIN; what was written has left already
+    (on loopback the kernel hands it to the client at once)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def _until_closed(reader: asyncio.StreamReader) -> None:
