@@ -121,6 +121,15 @@ def test_a_complete_reply_is_kept_however_its_connection_ends(scripted_server, m
     assert server.stats()["billed"] == server.stats()["requests"] == 1
 
 
+def test_a_stream_that_ends_cleanly_after_its_finish_reason_stands(scripted_server):
+    """No usage and no [DONE], but the chunked body's own end: the server ended the reply, which was
+    paid for; it is kept with its usage unknown, not asked again."""
+    server = scripted_server({"default": [{"content": "paid for", "usage": False, "done": False}]})
+    (result,), _ = _call(_settings(server, max_retries=3))
+    assert result.message["content"] == "paid for" and result.usage is None
+    assert server.stats()["requests"] == 1
+
+
 @pytest.mark.parametrize("fault", [
     {"cut_after": 3},  # the finish reason came, the usage never did: the reply may still have been going
     {"end": "reset", "stream_error": {"after": 2, "status": 500}},  # an error, then the end: nothing complete

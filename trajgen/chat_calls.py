@@ -13,7 +13,7 @@ A reply that has fully arrived is kept however its connection ends afterwards (a
 of the chunked terminator, an end that does not come within END_GRACE): it was paid for, and asking
 again would pay again. Fully arrived: a stream's `data: [DONE]`, or its finish reason and its usage;
 an unstreamed body whose bytes parse as a whole JSON object (a Content-Length body that arrived
-whole never meets a fault).
+whole never meets a fault). A stream whose body ends cleanly after its finish reason stands too.
 A body is read as an event stream when it says so or when it starts like one, whatever its
 Content-Type.
 """
@@ -228,8 +228,8 @@ async def _events(response: aiohttp.ClientResponse, pieces: AsyncIterator[bytes]
     finally:
         if resume is not None:
             resume.cancel()
-    if not assembly.complete:
-        raise APIConnectionError("the stream ended before the reply did (no [DONE], nor a finish reason and usage)")
+    if not assembly.ended:  # a clean end after the finish reason: the body's own end, the reply stands
+        raise APIConnectionError("the stream ended before the reply did (no [DONE], nor a finish reason)")
     return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider,
                       assembly.finish_reason), first_token
 

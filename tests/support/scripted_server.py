@@ -53,7 +53,7 @@ A reply is a dict with any of:
   copied into the message under those keys.
 - ``usage`` (dict merged over ``{"prompt_tokens": 10, "completion_tokens": 5,
   "total_tokens": 15}``; total is recomputed unless given; may carry ``cost`` and
-  ``completion_tokens_details``).
+  ``completion_tokens_details``); false: a stream sends no usage chunk, as some endpoints do.
 - ``model``: the ``model`` the completion reports (default: the request's);
   ``provider``: a top-level ``provider`` field, as OpenRouter adds.
 - ``message``: the assistant message exactly as given, instead of one built from the
@@ -458,7 +458,7 @@ class ScriptedBackend:
         completion = self._completion(reply, body)
         typed = {"Content-Type": reply["content_type"]} if "content_type" in reply else {}
         if body.get("stream") is True:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and reply.get("usage") is not False
             done = reply.get("done", True) is not False
             events = stream_chunks(completion, include_usage, int(reply.get("pieces") or 0), reply.get("stream_error"),
                                    done)
