@@ -37,8 +37,8 @@ HTTP_SERVER = Path(__file__).parent / "standins" / "mcp_http_server.py"
 TOKEN = "tok-7f3e9a1c-secret"  # a header's value: a secret, which no file or output of a run may hold
 SECRET = "env-5b0d2e7a-secret"  # a config env value: on no command line
 # tests/standins/mcp_stdio_server.py, its source on the command line: a sandbox sees no file of the tests
-STDIO = {"command": sys.executable, "args": ["-c", (Path(__file__).parent / "standins" / "mcp_stdio_server.py").read_text()],
-         "env": {"SERVICE_KEY": SECRET}}
+STDIO_SERVER = Path(__file__).parent / "standins" / "mcp_stdio_server.py"
+STDIO = {"command": sys.executable, "args": ["-c", STDIO_SERVER.read_text()], "env": {"SERVICE_KEY": SECRET}}
 
 
 def descendants(pid: int) -> list[int]:

@@ -191,7 +191,7 @@ async def _stdio(server: Server, sandbox: Sandbox, stderr: stdio.Tail) -> AsyncI
                             try:
                                 message = SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(
                                     line, by_name=False))
-                            except ValueError as e:  # not a message: the session fails the call waiting for one
+                            except ValueError as e:  # not a message (a stray print): the session ignores it
                                 message = e
                             await from_server.send(message)
 
