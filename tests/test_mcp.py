@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import arun, call, read_jsonl, think, write_jsonl
 from trajgen.errors import UsageError
-from trajgen.sandbox import SandboxConfig
+from trajgen.sandbox import SandboxConfig, stdio
 from trajgen.sandbox.backends import bwrap_problem, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
 from trajgen import trajectory
@@ -35,6 +35,10 @@ GIT = {"command": sys.executable, "args": ["-m", "mcp_server_git"]}
 TIME = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone=UTC"]}
 HTTP_SERVER = Path(__file__).parent / "standins" / "mcp_http_server.py"
 TOKEN = "tok-7f3e9a1c-secret"  # a header's value: a secret, which no file or output of a run may hold
+SECRET = "env-5b0d2e7a-secret"  # a config env value: on no command line
+# tests/standins/mcp_stdio_server.py, its source on the command line: a sandbox sees no file of the tests
+STDIO_SERVER = Path(__file__).parent / "standins" / "mcp_stdio_server.py"
+STDIO = {"command": sys.executable, "args": ["-c", STDIO_SERVER.read_text()], "env": {"SERVICE_KEY": SECRET}}
 
 
 def descendants(pid: int) -> list[int]:
@@ -63,6 +67,17 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def peak_rss_mb() -> int:
+    """This process's peak resident memory since the last reset_peak_rss()."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) >> 10
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def servers_under(pid: int, module: str) -> list[int]:
@@ -198,6 +213,72 @@ def test_server_that_cannot_start_is_named_with_its_reason(sandbox_config):
     broken = {"command": sys.executable, "args": ["-c", "import sys; sys.exit('no database at /data/x.db')"]}
     with pytest.raises(mcp_config.ServerFailed, match=r"MCP server db cannot start.*no database at /data/x.db"):
         probe(sandbox_config, tool_timeout=30, db=broken)
+
+
+def test_a_message_past_the_cap_is_cut_before_it_is_parsed_and_the_server_restarts(sandbox_config):
+    """60 MB in one result: read no further than MESSAGE_CAP, in linear time, so the worker stays small."""
+    tools = probe(sandbox_config, io=STDIO)
+    prompt = Prompt(sandbox_config, "deluge")
+    try:
+        assert prompt.call(tools["deluge"], megabytes=0)["success"]
+        first = prompt.ctx.state["mcp"]["io"]
+        reset_peak_rss()
+        before = peak_rss_mb()
+        cut = prompt.call(tools["deluge"], megabytes=60)
+        peak = peak_rss_mb()
+        print(f"worker peak RSS {peak} MB ({peak - before} MB over its {before} MB) reading a 60 MB result")
+        assert not cut["success"]
+        assert cut["error"] == (f"MCP server io: the server sent a message of more than {mcp.MESSAGE_CAP >> 20} MB, "
+                                "the cap on one message; it starts again at the next call")
+        assert peak - before < 100  # the SDK's own reader: 331 MB for 40 MB
+        again = prompt.call(tools["variable"], name="SERVICE_KEY")
+        assert again["success"] and prompt.ctx.state["mcp"]["io"] is not first
+    finally:
+        prompt.close()
+
+
+def test_lines_are_split_in_one_pass_and_none_held_past_the_cap():
+    lines = mcp._Lines()
+    assert lines.feed(b'{"a": 1}\n{"b"') == [b'{"a": 1}']
+    assert lines.feed(b': 2}\n\n{"c": 3}\n') == [b'{"b": 2}', b"", b'{"c": 3}']
+    for _ in range(mcp.MESSAGE_CAP // 65536):
+        assert lines.feed(b"x" * 65536) == []
+    with pytest.raises(mcp._TooLarge):
+        lines.feed(b"x")
+    with pytest.raises(mcp._TooLarge):  # whole in one chunk, newline and all
+        mcp._Lines().feed(b"y" * (mcp.MESSAGE_CAP + 1) + b"\n")
+
+
+def test_a_servers_stderr_is_kept_as_a_few_kb_whatever_it_writes(sandbox_config):
+    tools = probe(sandbox_config, io=STDIO)
+    prompt = Prompt(sandbox_config, "babble")
+    try:
+        assert prompt.call(tools["variable"], name="HOME")["success"]
+        session = prompt.ctx.state["mcp"]["io"]
+        ended = prompt.call(tools["babble"], megabytes=20)
+        assert not ended["success"] and "the last words" in ended["error"]
+        assert len(session.stderr._data) <= stdio.STDERR_TAIL
+    finally:
+        prompt.close()
+    tail = stdio.Tail()
+    for _ in range(1000):
+        tail.add(b"noise " * 100 + b"\n")
+    tail.add(b"why it failed\n\n")
+    assert len(tail._data) == stdio.STDERR_TAIL and tail.line() == "why it failed"
+
+
+def test_a_config_env_value_reaches_the_server_on_no_command_line(sandbox_config):
+    """`ps` shows every command line to every local user: the value crosses in bubblewrap's options memfd."""
+    tools = probe(sandbox_config, io=STDIO)
+    prompt = Prompt(sandbox_config, "env")
+    try:
+        assert prompt.call(tools["variable"], name="SERVICE_KEY")["output"] == SECRET
+        tree = descendants(os.getpid())
+        assert any("bwrap" in cmdline(p) for p in tree)  # the server's sandbox, while it runs
+        assert [cmdline(p) for p in tree if SECRET in cmdline(p)] == []
+        assert prompt.call(tools["variable"], name="PWD")["output"] == "/workspace"  # not the work dir's host path
+    finally:
+        prompt.close()
 
 
 @pytest.mark.parametrize("config, message", [

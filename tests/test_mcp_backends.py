@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import arun
 from tests.standins import live_instances
-from tests.test_mcp import GIT, TIME, Prompt, probe, servers_under, settle
+from tests.test_mcp import GIT, SECRET, STDIO, TIME, Prompt, probe, servers_under, settle
+from trajgen.tools import mcp
 from trajgen.sandbox import apptainer
 from trajgen.sandbox.backends import SandboxConfig, cleanup
 
@@ -101,3 +102,16 @@ def test_a_killed_server_restarts_at_the_next_call_and_none_outlives_the_prompt(
         prompt.close()
     assert left(config) == []
     assert servers_under(os.getpid(), "mcp_server_time") == []
+
+
+def test_a_message_past_the_cap_fails_its_call_and_the_config_env_reaches_the_restarted_server(config):
+    """Modal's own reader would hold a line whole: its bytes are split here, within the cap, as on this machine."""
+    tools = probe(config, io=STDIO)
+    prompt = Prompt(config, "deluge")
+    try:
+        cut = prompt.call(tools["deluge"], megabytes=12)
+        assert not cut["success"] and f"more than {mcp.MESSAGE_CAP >> 20} MB" in cut["error"], cut
+        assert prompt.call(tools["variable"], name="SERVICE_KEY")["output"] == SECRET
+    finally:
+        prompt.close()
+    assert left(config) == []

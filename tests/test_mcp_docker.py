@@ -3,10 +3,13 @@ Python with the servers, tests/support/mcp_image.py; no network)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from tests.conftest import call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_mcp import SECRET, STDIO, Prompt, cmdline, descendants, probe
+from trajgen.sandbox.backends import SandboxConfig, cleanup
 
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image"]
 
@@ -25,3 +28,22 @@ def test_docker_backend_runs_the_server_in_the_prompts_container(cli, scripted_s
     probes = subprocess.run(["docker", "ps", "-aq", "--filter", "label=trajgen.key=mcp-probe-time"],
                             capture_output=True, text=True, check=True)
     assert probes.stdout.strip() == ""  # the probe's container went with its sandbox
+
+
+def test_a_config_env_value_reaches_the_server_on_no_command_line(tmp_path, mcp_image):
+    """The value crosses in the exec's API request: no process here, nor in the container, shows it."""
+    config = SandboxConfig(backend="docker", root_dir=str(tmp_path / "sandboxes"), command_timeout=60,
+                           docker_image=mcp_image)
+    tools = probe(config, io=STDIO)
+    prompt = Prompt(config, "env")
+    try:
+        assert prompt.call(tools["variable"], name="SERVICE_KEY")["output"] == SECRET
+        [cid] = subprocess.run(["docker", "ps", "-q", "--filter", f"label=trajgen.session={config.label}"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        inside = subprocess.run(["docker", "exec", cid, "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"],
+                                capture_output=True, text=True, check=True).stdout
+        assert "mcp.server.mcpserver" in inside and SECRET not in inside  # the server runs; its command line is clean
+        assert [cmdline(p) for p in descendants(os.getpid()) if SECRET in cmdline(p)] == []
+    finally:
+        prompt.close()
+        cleanup(config)

@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 from trajgen import locks
 from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError, roots, seccomp, shares
-from trajgen.sandbox.docker_client import STDOUT, EngineError, call, pull, run_exec, start_exec, sync_call
+from trajgen.sandbox.docker_client import STDOUT, EngineError, Exec, call, pull, run_exec, start_exec, sync_call
 from trajgen.sandbox.process import Capture, last_line
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
@@ -155,13 +155,11 @@ class DockerSandbox:
     def _user(self) -> str:
         return f"{self._uid[0]}:{self._uid[0]}" if self._uid else "0"
 
-    async def process_argv(self, command: list[str], env: dict[str, str]) -> list[str]:
-        """The docker CLI argv that runs `command` as a long-lived process of this container, with
-        stdin and stdout as its pipes: the commands' user, in the work dir, the image's environment
-        plus `env`. The CLI needs docker_client.docker_env(). The process ends when its stdin closes, or with the container."""
-        cid = await self._container()
-        return ["docker", "exec", "-i", "-u", self._user, "-w", self.cwd,
-                *(f"--env={k}={v}" for k, v in env.items()), cid, *command]
+    async def start_process(self, command: list[str], env: dict[str, str]) -> Exec:
+        """`command` as a long-lived process of this container, its stdin attached: the commands'
+        user, in the work dir, the image's environment plus `env` (through the API: no command line
+        holds it). It ends when its stdin closes, or with the container."""
+        return await start_exec(await self._container(), self._user, command, stdin=True, env=env)
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()

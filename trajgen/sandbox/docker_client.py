@@ -97,11 +97,6 @@ def on_this_machine() -> bool:
         return url.hostname == "localhost"
 
 
-def docker_env() -> dict[str, str]:
-    """What the docker CLI needs (the engine's settings, PATH, HOME), and none of the runner's other variables."""
-    return {k: v for k, v in os.environ.items() if k.startswith("DOCKER_") or k in ("PATH", "HOME")}
-
-
 def _reason(e: BaseException) -> str:
     """The innermost OS error's words (what a refused or missing socket says), else the first line."""
     pending = [e]
@@ -266,9 +261,11 @@ class Exec:
         self._raw.close()
 
 
-async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bool = False) -> Exec:
-    """Start argv in the container as `user`, with its stdin attached (Exec.write) if asked, else at its end."""
-    created = await call("exec_create", container, [*GATE, *argv], stdin=True, user=user)
+async def start_exec(container: str, user: str, argv: Sequence[str], stdin: bool = False,
+                     env: dict[str, str] | None = None) -> Exec:
+    """Start argv in the container as `user`, with its stdin attached (Exec.write) if asked, else at its end;
+    `env` over the container's environment, sent through the API (no command line shows it)."""
+    created = await call("exec_create", container, [*GATE, *argv], stdin=True, user=user, environment=env)
     ex = Exec(created["Id"], await call("exec_start", created["Id"], socket=True))
     ex.write(b"\n")  # opens the gate: with the caller's first input, or now
     if not stdin:

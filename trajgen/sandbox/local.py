@@ -111,26 +111,30 @@ def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
 
 
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
-                  pts: str | None = None, loop: bool = True) -> tuple[list[str], list[str]]:
+                  pts: str | None = None, loop: bool = True,
+                  env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
     """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
-    the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's."""
+    the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's;
+    `env`: the command's whole environment instead of bwrap's own."""
     identity, as_uid = _identity(uid, loop)
+    setenv = [] if env is None else ["--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v))]
     options = [
         *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
         "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
         "--bind", host_dir, cwd, "--chdir", cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
-        "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd),
+        "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd), *setenv,
     ]
     return options, as_uid
 
 
 def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str],
-               pts: str | None = None, loop: bool = True) -> tuple[list[str], list[int]]:
+               pts: str | None = None, loop: bool = True,
+               env: dict[str, str] | None = None) -> tuple[list[str], list[int]]:
     """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
     seccomp_fd = seccomp.memfd(seccomp.program(network), "trajgen-seccomp")
-    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop)
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop, env)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
@@ -209,13 +213,14 @@ class LocalSandbox:
 
     def process_argv(self, command: list[str], env: dict[str, str]) -> tuple[list[str], list[int]]:
         """The argv that runs `command` as a long-lived process of this sandbox (same uid, seccomp
-        filter, cgroup, network and limits as its commands, in its work dir, with exactly `env`),
-        and the fds it must inherit; unisolated (--unsafe_local), a plain limited process."""
-        setenv = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        filter, cgroup, network and limits as its commands, in its work dir), and the fds it must
+        inherit; unisolated (--unsafe_local), a plain limited process. Started with `env` as its
+        environment, `command` gets exactly `env` (bwrap sets it from its options' memfd): no value
+        is on a command line, which every local user may read."""
         if not self.isolated:
-            return [*prlimit_argv(self.config), *setenv, *command], []
+            return [*prlimit_argv(self.config), *command], []
         argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
-                               [*prlimit_argv(self.config), *setenv, *command], self._pts, loop=False)
+                               [*prlimit_argv(self.config), *command], self._pts, loop=False, env=env)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return argv, fds

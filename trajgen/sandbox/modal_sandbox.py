@@ -181,11 +181,11 @@ class ModalSandbox:
 
     async def start_process(self, command: list[str], env: dict[str, str]):
         """`command` as a long-lived process of this sandbox, with pipes (the SDK's ContainerProcess,
-        whose stdout yields whole lines of text): in the work dir, with the sandbox's environment plus
-        `env`. It ends when its stdin closes, or with the sandbox."""
+        whose stdout yields bytes as they come: lines are split by the caller, within its bounds): in the
+        work dir, with the sandbox's environment plus `env`. It ends when its stdin closes, or with the sandbox."""
         sandbox = await self._get()
         with _modal_errors(f"cannot start {command[0]}"):
-            return await sandbox.exec.aio(*command, workdir=self.cwd, env={**ENV, **env}, text=True, bufsize=1)
+            return await sandbox.exec.aio(*command, workdir=self.cwd, env={**ENV, **env}, text=False)
 
     async def end_processes(self) -> None:
         if self._sandbox is not None:

@@ -1,47 +1,167 @@
-"""A long-lived process with stdio pipes inside a prompt's sandbox, for a library that starts it.
+"""A long-lived process with stdio pipes inside a prompt's sandbox (an MCP server), as byte streams.
 
-The MCP SDK starts a server's process itself and passes it no file descriptors, while a local
-sandbox's bwrap reads its options and seccomp filter from memfds. So the process started there is
-bash, which opens those memfds again through /proc under the numbers bwrap expects, then becomes
-the sandbox's argv: the host path of the work dir stays out of every command line. In a docker
-sandbox the process is a `docker exec -i` into the prompt's container, in an apptainer one an
-`apptainer exec` into its instance. A modal sandbox runs no process on this machine: its process
-comes from ModalSandbox.start_process.
+In a local sandbox the process started here is bwrap, which reads its options and seccomp filter
+from memfds it inherits, so the host path of the work dir stays out of every command line; in an
+apptainer sandbox it is an `apptainer exec` into the prompt's instance. A docker sandbox's process
+is an exec through the Docker API, a modal one's comes from Modal's Sandbox.exec: neither runs a
+process on this machine. Its stderr is kept as a tail of a few KB, whatever it writes, and its
+environment never appears on a command line.
 """
 from __future__ import annotations
 
 import os
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import anyio
 
 from trajgen.sandbox import Sandbox, SandboxError, apptainer
 from trajgen.sandbox.docker import DockerSandbox
-from trajgen.sandbox.docker_client import docker_env
+from trajgen.sandbox.docker_client import STDOUT, Exec
 from trajgen.sandbox.local import LocalSandbox, sandbox_env
+from trajgen.sandbox.modal_sandbox import ModalSandbox
+from trajgen.sandbox.process import kill_group, last_line
+
+STDERR_TAIL = 4096  # bytes of a process's stderr kept: its last, where it says why it failed
+GRACE = 2.0  # seconds a process has to exit once its stdin closes before it is killed (as the MCP SDK waits)
+END_WAIT = 10.0  # seconds the end of a remote process's stdin may take to reach it
+
+
+class Tail:
+    """The last STDERR_TAIL bytes of a stream: what a process said last, at a fixed cost whatever it writes."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self._data += chunk[-STDERR_TAIL:]
+        del self._data[:-STDERR_TAIL]
+
+    def line(self) -> str | None:
+        """Its last non-blank line, if any."""
+        text = self._data.decode("utf-8", "replace")
+        return last_line(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
+class Pipes:
+    stdout: AsyncIterator[bytes]  # chunks as they come, to its end
+    write: Callable[[bytes], Awaitable[None]]  # to its stdin
 
 
 @dataclass(frozen=True)
 class Launch:
     argv: list[str]
-    env: dict[str, str]  # of the process started on the host (not of the command inside)
+    env: dict[str, str]  # of the process started on the host: the only way a value reaches the command
     cwd: str | None
-    fds: tuple[int, ...] = ()  # memfds this process holds open until the started process has read them
+    fds: tuple[int, ...] = ()  # memfds the started process inherits; ours close once it has started
 
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
 
 
-async def launch(sandbox: Sandbox, command: list[str], env: dict[str, str]) -> Launch:
-    """How to start `command` in `sandbox` with `env` over the sandbox's own environment;
-    SandboxError for a backend whose processes do not run on this machine."""
+@asynccontextmanager
+async def pipes(sandbox: Sandbox, command: list[str], env: dict[str, str], stderr: Tail) -> AsyncIterator[Pipes]:
+    """`command` running in `sandbox` with `env` over the sandbox's own environment, its stderr
+    going to `stderr`. At the exit its stdin closes: a process started here that has not ended
+    GRACE seconds later is killed; one inside a container ends then, or with its sandbox."""
     if isinstance(sandbox, DockerSandbox):
-        return Launch(await sandbox.process_argv(command, env), docker_env(), None)
+        opened = _exec(await sandbox.start_process(command, env), stderr)
+    elif isinstance(sandbox, ModalSandbox):
+        opened = _modal(await sandbox.start_process(command, env), stderr)
+    else:
+        opened = _process(await _launch(sandbox, command, env), stderr)
+    async with opened as streams:
+        yield streams
+
+
+async def _launch(sandbox: Sandbox, command: list[str], env: dict[str, str]) -> Launch:
+    """How to start `command` on this machine; SandboxError for a backend that runs no process here."""
     if isinstance(sandbox, apptainer.ApptainerSandbox):
         return Launch(await sandbox.process_argv(command), apptainer.runtime_env(env), None)
     if not isinstance(sandbox, LocalSandbox):
         raise SandboxError(f"the {type(sandbox).__name__} backend runs no process on this machine")
-    argv, fds = sandbox.process_argv(command, {**sandbox_env(sandbox.cwd), **env})
-    if fds:
-        pid = os.getpid()
-        argv = ["bash", "-c", 'exec "$@" ' + " ".join(f"{fd}</proc/{pid}/fd/{fd}" for fd in fds), "bash", *argv]
-    return Launch(argv, sandbox_env(sandbox.cwd), sandbox.host_dir, tuple(fds))
+    env = {**sandbox_env(sandbox.cwd), **env}
+    argv, fds = sandbox.process_argv(command, env)
+    return Launch(argv, env, sandbox.host_dir, tuple(fds))
+
+
+@asynccontextmanager
+async def _process(launch: Launch, stderr: Tail) -> AsyncIterator[Pipes]:
+    try:
+        process = await anyio.open_process(launch.argv, env=launch.env, cwd=launch.cwd, start_new_session=True,
+                                           pass_fds=launch.fds)
+    except OSError as e:
+        raise SandboxError(f"cannot start {launch.argv[0]}: {e.strerror or e}") from e
+    finally:
+        launch.close()
+
+    async def log() -> None:
+        async for chunk in process.stderr:
+            stderr.add(chunk)
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(log)
+            try:
+                yield Pipes(process.stdout, process.stdin.send)
+            finally:
+                tasks.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await process.stdin.aclose()
+            with anyio.move_on_after(GRACE):
+                while process.returncode is None:  # not wait(): a child holding its pipes would look like it
+                    await anyio.sleep(0.01)
+            if process.returncode is None:
+                kill_group(process.pid)  # its own session: what it started outside the sandbox too
+            with anyio.move_on_after(GRACE):
+                await process.aclose()
+
+
+@asynccontextmanager
+async def _exec(ex: Exec, stderr: Tail) -> AsyncIterator[Pipes]:
+    async def stdout() -> AsyncIterator[bytes]:
+        async for stream, data in ex.frames():
+            if stream == STDOUT:
+                yield data
+            else:
+                stderr.add(data)
+
+    async def write(data: bytes) -> None:
+        ex.write(data)
+        await ex.drain()
+
+    try:
+        yield Pipes(stdout(), write)
+    finally:
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(END_WAIT):
+                await ex.send(b"")  # the end of its stdin
+        finally:
+            ex.close()
+
+
+@asynccontextmanager
+async def _modal(process, stderr: Tail) -> AsyncIterator[Pipes]:
+    """A Modal ContainerProcess (bytes, not lines: its own line reader holds a line whole, however long)."""
+    async def log() -> None:
+        async for chunk in process.stderr:
+            stderr.add(chunk)
+
+    async def write(data: bytes) -> None:
+        process.stdin.write(data)
+        await process.stdin.drain.aio()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(log)
+        try:
+            yield Pipes(aiter(process.stdout), write)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(END_WAIT):  # it ends at the end of its stdin
+                process.stdin.write_eof()
+                await process.stdin.drain.aio()
+            tasks.cancel_scope.cancel()

@@ -1,17 +1,17 @@
 """MCP servers as toolsets: the probe that reads their tools, and one session per prompt.
 
-A `command` server runs inside the prompt's sandbox (sandbox/stdio.py; in a Modal sandbox, a
-process of Modal's bridged to the SDK's streams), started at the prompt's first call of one of its
-tools and ended with the prompt; a `url` server is shared and reached over streamable HTTP (SSE
-where the probe finds only that), with the config's headers. Every fault of a server becomes its
-call's failed result, and the next call starts the server again. The SDK speaks the protocol.
+A `command` server runs inside the prompt's sandbox (sandbox/stdio.py), started at the prompt's
+first call of one of its tools and ended with the prompt; its stdout is split into messages here,
+each bounded before it is parsed (the SDK's own stdio reader holds a line whole, at quadratic cost).
+A `url` server is shared and reached over streamable HTTP (SSE where the probe finds only that),
+with the config's headers. Every fault of a server becomes its call's failed result, and the next
+call starts the server again. The SDK speaks the protocol.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import AsyncIterator, Callable
@@ -22,7 +22,6 @@ import mcp_types
 import orjson
 from mcp import ClientSession
 from mcp.client.sse import sse_client
-from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import create_mcp_http_client, streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
@@ -31,13 +30,14 @@ from mcp_types import CONNECTION_CLOSED
 from trajgen import trajectory
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
 from trajgen.sandbox import stdio
-from trajgen.sandbox.modal_sandbox import ModalSandbox
-from trajgen.sandbox.process import OUTPUT_CAP, last_line
+from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.tools.mcp_config import Server, ServerFailed
 from trajgen.tools.netguard import check_url
 
 BLOCKS_CAP = 4 << 20  # bytes of a result's non-text blocks (images...) a row may keep
+MESSAGE_CAP = 8 << 20  # bytes of one message from a stdio server: BLOCKS_CAP in base64 and room for the rest
+CLOSING = 2 * stdio.GRACE + 1  # seconds a session whose connection closed may take to end and say why
 
 # the SDK logs a server's misbehaviour with tracebacks; here it becomes the call's failed result
 logging.getLogger("mcp").addHandler(logging.NullHandler())
@@ -52,12 +52,36 @@ class _Refused(_Fault):
     """The server answered the call with an error (an unknown tool, bad arguments): the call fails, the server stays."""
 
 
+class _TooLarge(_Fault):
+    """A stdio server sent a message longer than MESSAGE_CAP: it is not read further, and restarts."""
+
+
+class _Lines:
+    """A stdio server's stdout split into lines as it comes, each byte scanned once; _TooLarge as soon as
+    a line is longer than MESSAGE_CAP, so no more than that is ever held."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        start = len(self._buffer)
+        self._buffer += chunk
+        lines = []
+        while (end := self._buffer.find(b"\n", start)) >= 0:
+            lines.append(bytes(self._buffer[:end]))
+            del self._buffer[:end + 1]  # O(1): a bytearray drops its head by moving its start
+            start = 0
+        if max(map(len, lines), default=0) > MESSAGE_CAP or len(self._buffer) > MESSAGE_CAP:
+            raise _TooLarge(f"the server sent a message of more than {MESSAGE_CAP >> 20} MB, the cap on one message")
+        return lines
+
+
 class _Session:
     """One server's session, held by a task of its own: the SDK's contexts must be entered and
     left in one task, while calls come from the conversation's."""
 
-    def __init__(self, streams: Callable[[], AsyncIterator], errlog) -> None:
-        self.errlog = errlog
+    def __init__(self, streams: Callable[[], AsyncIterator], stderr: stdio.Tail | None) -> None:
+        self.stderr = stderr
         self._ready: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._hold(streams))
 
@@ -101,7 +125,9 @@ class _Session:
             return call.result()
         if not done:
             raise _Fault(f"no answer within {timeout:g} s")
-        error = None if self._task.cancelled() else self._task.exception()
+        error = None if self._task.cancelled() else _sole(self._task.exception())
+        if isinstance(error, _Fault):
+            raise error
         raise _Fault(f"the server ended ({self.stderr_tail() or (_describe(error) if error else 'no reason given')})")
 
     async def _call(self, request):
@@ -110,29 +136,36 @@ class _Session:
         except MCPError as e:
             if e.code != CONNECTION_CLOSED:
                 raise _Refused(f"error {e.code}: {e.message}") from e
-            raise _Fault(self.stderr_tail() or _describe(e)) from e
+            raise await self._closed(e) from e
         except Exception as e:  # the protocol's errors (McpError), a closed connection, a refused start...
             raise _Fault(self.stderr_tail() or _describe(e)) from e
 
+    async def _closed(self, error: MCPError) -> _Fault:
+        """Why the connection closed: the session's own fault once it has ended (a message too large), else
+        the server's last words."""
+        await asyncio.wait({self._task}, timeout=CLOSING)
+        ended = _sole(self._task.exception()) if self._task.done() and not self._task.cancelled() else None
+        return ended if isinstance(ended, _Fault) else _Fault(self.stderr_tail() or _describe(error))
+
     def stderr_tail(self) -> str | None:
         """The server's last line of stderr: why it could not start, usually."""
-        if self.errlog is None or self.errlog.closed:
-            return None
-        self.errlog.seek(0)
-        text = self.errlog.read()[-4000:]
-        return last_line(text) if text.strip() else None
+        return self.stderr.line() if self.stderr else None
 
     async def stop(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        if self.errlog is not None:
-            self.errlog.close()
+
+
+def _sole(error: BaseException | None) -> BaseException | None:
+    """The error inside groups of one (task groups wrap what ends them)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def _describe(error: BaseException) -> str:
     """One line: an HTTP status says what to do about a refusal; anything else is named with its text."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
+    error = _sole(error)
     if isinstance(error, httpx2.HTTPStatusError):
         status = error.response.status_code
         hint = '; pass its token through "headers" (an OAuth sign-in cannot run in a batch)' if status in (401, 403) else ""
@@ -142,59 +175,39 @@ def _describe(error: BaseException) -> str:
 
 
 @asynccontextmanager
-async def _stdio(server: Server, sandbox: Sandbox, errlog) -> AsyncIterator:
-    """The streams of `server` run inside `sandbox`, in its work dir."""
-    command, env = [server.command, *server.args], dict(server.env)
-    if isinstance(sandbox, ModalSandbox):
-        async with _process_streams(await sandbox.start_process(command, env), errlog) as streams:
-            yield streams
-        return
-    launch = await stdio.launch(sandbox, command, env)
-    try:
-        params = StdioServerParameters(command=launch.argv[0], args=launch.argv[1:], env=launch.env, cwd=launch.cwd)
-        async with stdio_client(params, errlog=errlog) as streams:
-            yield streams
-    finally:
-        launch.close()
-
-
-@asynccontextmanager
-async def _process_streams(process, errlog) -> AsyncIterator:
-    """A Modal ContainerProcess as the session's streams of the SDK's messages, one per line each
-    way as the SDK's stdio_client frames them; its stderr goes to `errlog`."""
+async def _stdio(server: Server, sandbox: Sandbox, stderr: stdio.Tail) -> AsyncIterator:
+    """The session's streams of the SDK's messages with `server` run inside `sandbox`, in its work dir:
+    one message per line each way, as the SDK's stdio transport frames them, none longer than MESSAGE_CAP."""
     from_server, read = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write, to_server = anyio.create_memory_object_stream[SessionMessage](0)
+    async with stdio.pipes(sandbox, [server.command, *server.args], dict(server.env), stderr) as pipes:
 
-    async def receive() -> None:
-        async with from_server:
-            async for line in process.stdout:
-                if line.strip():
-                    try:
-                        await from_server.send(SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)))
-                    except ValueError as e:  # not a message: the session fails the call waiting for one
-                        await from_server.send(e)
+        async def receive() -> None:
+            lines = _Lines()
+            async with from_server:
+                async for chunk in pipes.stdout:
+                    for line in lines.feed(chunk):
+                        if line.strip():
+                            try:
+                                message = SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(
+                                    line, by_name=False))
+                            except ValueError as e:  # not a message (a stray print): the session ignores it
+                                message = e
+                            await from_server.send(message)
 
-    async def send() -> None:
-        async with to_server:
-            async for message in to_server:
-                process.stdin.write(message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n")
-                await process.stdin.drain.aio()
+        async def send() -> None:
+            async with to_server:
+                async for message in to_server:
+                    await pipes.write(message.message.model_dump_json(by_alias=True, exclude_unset=True).encode()
+                                      + b"\n")
 
-    async def log() -> None:
-        async for text in process.stderr:
-            errlog.write(text)
-            errlog.flush()
-
-    async with anyio.create_task_group() as tasks:
-        for task in (receive, send, log):
-            tasks.start_soon(task)
-        try:
-            yield read, write
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):  # the server ends at the end of its stdin
-                process.stdin.write_eof()
-                await process.stdin.drain.aio()
-            tasks.cancel_scope.cancel()
+        async with anyio.create_task_group() as tasks:
+            for task in (receive, send):
+                tasks.start_soon(task)
+            try:
+                yield read, write
+            finally:
+                tasks.cancel_scope.cancel()
 
 
 def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Session:
@@ -212,13 +225,13 @@ def _open(server: Server, get_sandbox: Callable, allow_private: bool) -> _Sessio
                         streamable_http_client(server.url, http_client=client) as pair:
                     yield pair
         return _Session(streams, None)
-    errlog = tempfile.TemporaryFile("w+")
+    stderr = stdio.Tail()
 
     @asynccontextmanager
     async def in_sandbox() -> AsyncIterator:
-        async with _stdio(server, await get_sandbox(), errlog) as pair:
+        async with _stdio(server, await get_sandbox(), stderr) as pair:
             yield pair
-    return _Session(in_sandbox, errlog)
+    return _Session(in_sandbox, stderr)
 
 
 async def call_tool(server: Server, tool: str, ctx: ToolContext, /, **arguments) -> dict:
