@@ -123,8 +123,7 @@ def run_local(opts: RunOptions) -> Ran:
 
 
 def run_export(opts: RunOptions) -> int:
-    if opts.export not in export.FORMATS:
-        raise UsageError(f"--export must be one of {', '.join(export.FORMATS)}, got {opts.export!r}")
+    export.check_format(opts.export)
     if opts.run_name is None:
         raise UsageError("--export needs --run_name (the run to export)")
     run_dir = Path(opts.output_dir) / opts.run_name
