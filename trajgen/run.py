@@ -327,11 +327,11 @@ def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
     manifest_path = run_dir / "manifest.json"
     changed = opts.changed_since(store.read_json(manifest_path)) if manifest_path.exists() and not opts.force else []
     scan = store.scan(run_dir)
+    said = f"the run's settings changed ({'; '.join(changed)})"
     if changed and store.anything_paid(run_dir, scan):
-        raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
+        raise UsageError(f"{said}; pass --force to resume anyway")
     if changed:  # a wrong --base_url or model name stopped the run before any reply: nothing to keep apart
-        console.notice(f"the run's settings changed ({'; '.join(changed)}); nothing was paid with the old ones, "
-                       "so the run goes on with the new ones")
+        console.notice(f"{said}; nothing was paid with the old ones, so the run goes on with the new ones")
     return scan
 
 

@@ -14,8 +14,8 @@ from trajgen.compare import Run, completed, passed
 from trajgen.viewer import conversation, render, server
 from trajgen.viewer.query import Filtering
 
-LATENCY = {"first_byte": "first byte", "first_token": "first token", "generation": "generation"}  # seconds per reply,
-# named as the run's own summary names them (trajgen/console.py latency_rows)
+# seconds per reply in each run's statistics.json, named as the run's summary names them (console.latency_rows)
+LATENCY = {"first_byte": "first byte", "first_token": "first token", "generation": "generation"}
 INLINE = 200  # discordant prompts per pair whose conversations comparison.html holds; the rest are listed
 Link = Callable[[dict, str], str]  # (pair, prompt key) -> the address of its side-by-side view
 
