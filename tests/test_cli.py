@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import call, read_jsonl, think, write_jsonl
 from toolset_distributions import DISTRIBUTIONS, get_distribution, sample_toolsets
+from trajgen import export
+from trajgen.errors import UsageError
 
 ROW_KEYS = {"prompt_index", "conversations", "metadata", "completed", "partial", "truncated", "api_calls",
             "toolsets_used", "tool_stats", "tool_error_counts", "tools", "verify"}
@@ -110,6 +112,13 @@ def test_usage_errors_exit_2_with_one_line(inline, scripted_server):
     (["--concurency=64"], "--concurency", "--concurrency"),
     (["--resum"], "--resum", "--resume"),
     (["--requre_reasoning=False"], "--requre_reasoning", "--require_reasoning"),
+    (["--samples=3"], "--samples", "did you mean --samples_per_prompt?"),  # what is meant, not the nearest spelling
+    (["--workers=3"], "--workers", "did you mean --num_workers?"),
+    (["--distribution=terminalonly"], "'terminalonly'", "did you mean terminal_only?"),
+    (["--toolsets=terminal,git"], "unknown toolset 'git'", "MCP servers need --mcp_config"),
+    (["--toolsets=termnial"], "unknown toolset 'termnial'", "did you mean terminal?"),
+    (["--export=trl"], "got 'trl'", "did you mean --export=hf?"),  # the format TRL reads
+    (["--export=sharegtp"], "got 'sharegtp'", "did you mean --export=sharegpt?"),
     (["prompts.jsonl"], "'prompts.jsonl'", "--dataset_file=prompts.jsonl"),
     (["--concurrency"], "--concurrency", "an integer"),
     (["--concurrency=many"], "--concurrency=many", "an integer"),
@@ -128,6 +137,11 @@ def test_a_bad_argument_stops_the_run_before_it_spends_anything(inline, scripted
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and suggested in lines[0], done.stderr
     assert server.stats()["requests"] == 0 and not (inline.cwd / "data").exists()
+
+
+def test_a_misspelled_verdict_of_export_outcome_gets_the_one_meant():
+    with pytest.raises(UsageError, match=r"; got pass; did you mean passed\?$"):
+        export.outcomes("failed,pass")
 
 
 def test_both_spellings_and_every_boolean_form_are_accepted(inline, scripted_server):

@@ -103,7 +103,8 @@ def test_models_run_writes_the_comparison_with_hand_checked_figures(made):
     assert good["served_by"] == {"good": 24} and good["samples"] == {"ok": 24, "total": 24}
     assert (good["mean_turns"], good["mean_tool_calls"]) == (2.0, 1.0)
     assert good["tokens"] == {"prompt": 480, "completion": 240, "reasoning": 0}
-    assert good["cost"] is None and good["latency"] is None
+    assert good["cost"] is None and {k: v["replies"] for k, v in good["latency"].items()} == {
+        "first_byte": 48, "first_token": 48, "generation": 48}  # each sample's two replies
     pair = found["pairs"][0]
     assert {k: pair[k] for k in ("outcome", "both", "only_a", "only_b", "neither", "p_value")} == {
         "outcome": "passed", "both": 3, "only_a": 6, "only_b": 1, "neither": 2, "p_value": 0.125}
@@ -140,7 +141,7 @@ def test_compare_over_overlapping_datasets_uses_the_shared_prompts_and_warns(mad
     assert found["settings_that_differ"] == {"model": ["bad", "good"], "max_turns": [10, 5]}
     assert any("share 6 prompts" in w for w in found["warnings"])
     assert any(w.startswith("max_turns differs") for w in found["warnings"])
-    assert any(w.startswith("samples per prompt differ (bad (bad): 2, good (other): 1)") for w in found["warnings"])
+    assert any(w.startswith("samples per prompt differ (bad (data/eval/bad): 2, good (data/other): 1)") for w in found["warnings"])
     assert "max_turns differs" in done.stderr
     pair = found["pairs"][0]  # bad passes task 9 only; good passes task 6, 7, 8
     assert (pair["both"], pair["only_a"], pair["only_b"], pair["neither"]) == (0, 1, 3, 2)
@@ -160,8 +161,9 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
                                                 for i, k in enumerate(kept)])
         if name == "b":
             write_jsonl(run_dir / "failures.jsonl", [{"prompt_key": "k2-0", "error_class": "APIError"}])
-            (run_dir / "statistics.json").write_text(json.dumps({"latency": {"ttft_median": 0.5, "n": "x"},
-                                                                 "time_to_first_token_p90": 1.25, "ok": 1}))
+            (run_dir / "statistics.json").write_text(json.dumps({"latency": {
+                "first_token": {"replies": 2, "median": 0.5, "p95": 1.25},
+                "generation": {"replies": 0, "median": None, "p95": None}}, "ok": 1}))
     found, _ = compare.compare([tmp_path / "a", tmp_path / "b"])
     pair = found["pairs"][0]
     assert pair["outcome"] == "completed" and pair["p_value"] is None and "nothing was verified" in pair["note"]
@@ -170,7 +172,31 @@ def test_without_verdicts_the_pair_compares_completion_with_no_p_value(tmp_path)
     assert found["runs"][0]["pass_rate_prompts"]["rate"] is None
     assert found["runs"][0]["latency"] is None
     assert (found["runs"][0]["samples_with_hallucinated_tools"], found["runs"][0]["hallucinated_tool_names"]) == (2, 3)
-    assert found["runs"][1]["latency"] == {"latency.ttft_median": 0.5, "time_to_first_token_p90": 1.25}
+    assert found["runs"][1]["latency"] == {"first_token": {"replies": 2, "median": 0.5, "p95": 1.25}}
+
+
+def test_two_runs_of_one_long_named_model_are_told_apart_and_never_cut(inline):
+    """At 80 columns: the runs numbered, each named whole by its directory and model, pairs by directory;
+    first-token latency read from each run's statistics.json."""
+    model = "Qwen/Qwen3-8B-with-a-name-longer-than-any-column-of-the-table"
+    for name, median in (("first", 0.25), ("second", 0.75)):
+        run_dir = inline.cwd / "data" / name / "run"
+        run_dir.mkdir(parents=True)
+        (run_dir / "manifest.json").write_text(json.dumps({"model": model}))
+        (run_dir / "statistics.json").write_text(json.dumps({"latency": {
+            "first_token": {"replies": 3, "median": median, "p95": 1.5}}}))
+        write_jsonl(run_dir / "batch_0.jsonl", [{"prompt_index": 0, "metadata": {"prompt_key": "k1-0", "model": model},
+                                                 "conversations": [{"from": "human", "value": "hi"}]}])
+    done = inline.run("--compare=data/first/run,data/second/run", "--compare_out=out", env={"COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    assert "…" not in done.stdout
+    lines = done.stdout.splitlines()
+    assert f"0: data/first/run (model {model})" in lines and f"1: data/second/run (model {model})" in lines
+    assert "A = 0: data/first/run vs B = 1: data/second/run" in lines
+    assert "0.25 s / 1.50 s" in done.stdout and "0.75 s / 1.50 s" in done.stdout  # first token, median / p95
+    found = json.loads((inline.cwd / "out" / "comparison.json").read_text())
+    assert found["runs"][1]["latency"] == {"first_token": {"replies": 3, "median": 0.75, "p95": 1.5}}
+    assert "A = 0: data/first/run vs B = 1: data/second/run" in (inline.cwd / "out" / "comparison.html").read_text()
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -424,8 +424,8 @@ def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, s
     ({"git": GIT, "git2": GIT}, {"toolsets": "git,git2"}, 2,
      "tool git_status of MCP server git2 clashes with MCP server git's"),
     ({"db": {"command": "/nonexistent/server"}}, {"toolsets": "db"}, 1, "MCP server db cannot start or list its tools"),
-    ({"git": GIT}, {"distribution": "dist.json"}, 2, "bad entry gti=50"),
-    ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: distribution --toolsets: bad entry gti=100"),
+    ({"git": GIT}, {"distribution": "dist.json"}, 2, "distribution dist.json: unknown toolset 'gti'; did you mean git?"),
+    ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: unknown toolset 'gti'; did you mean git?"),
 ])
 def test_bad_setups_stop_the_run_before_any_request(cli, scripted_server, tmp_path, servers, flags, code, message):
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import interrupt, when
+from trajgen import store
 from trajgen.sandbox.roots import private_base
 
 
@@ -193,6 +194,30 @@ def test_resume_with_changed_model_needs_force(inline, scripted_server):
     changed = inline.run(*inline.args(server, model="other-model", resume=True))
     assert changed.returncode == 2 and "model: 'test-model' -> 'other-model'" in changed.stderr
     assert inline.run(*inline.args(server, model="other-model", resume=True, force=True)).returncode == 0
+
+
+def test_a_run_stopped_before_any_reply_resumes_with_a_fixed_base_url_without_force(inline, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in "abc"])
+    wrong = server.url.removesuffix("/v1") + "/wrong"  # the server answers 404 there: a fatal stop, nothing paid
+    stopped = inline.run(*inline.args(server, base_url=wrong))
+    assert stopped.returncode == 1 and "--resume" in stopped.stderr, stopped.stderr
+    assert read_jsonl(inline.run_dir() / "failures.jsonl") and not _rows(inline.run_dir())
+    fixed = inline.run(*inline.args(server, resume=True))  # the printed resume command, --base_url fixed
+    assert fixed.returncode == 0, fixed.stderr
+    assert f"changed (base_url: '{wrong}' -> '{server.url}'); nothing was paid with the old ones" in fixed.stderr
+    assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == ["a", "b", "c"]
+    assert json.loads((inline.run_dir() / "manifest.json").read_text())["base_url"] == server.url
+    paid = inline.run(*inline.args(server, model="other-model", resume=True))  # now rows were paid for
+    assert paid.returncode == 2 and "pass --force" in paid.stderr
+
+
+def test_a_failure_that_used_tokens_counts_as_paid(tmp_path):
+    (tmp_path / "failures.jsonl").write_text('{"prompt_key": "k", "usage": {"prompt_tokens": 0, "cost": null}}\n')
+    assert not store.anything_paid(tmp_path, store.scan(tmp_path))
+    with open(tmp_path / "failures.jsonl", "a") as f:
+        f.write('{"prompt_key": "k2", "usage": {"prompt_tokens": 12, "completion_tokens": 0}}\n')
+    assert store.anything_paid(tmp_path, store.scan(tmp_path))
 
 
 def test_resume_of_a_finished_run_rewrites_nothing_unless_a_file_changed(inline, scripted_server):

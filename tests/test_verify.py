@@ -103,7 +103,15 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
     assert (seen["ok"], seen["kept"], seen["filtered_not_passed"], seen["verification"]) == (21, 7, 14, stats["verification"])
     filters = read_filtering(run_dir, index)
     assert Counter((status(e, filters), reason(e, filters)) for e in index.entries if e.kind == "row") == {
-        ("ok", None): 7, ("filtered", "its verify command did not pass (--require_verified)"): 14}
+        ("ok", None): 7, ("filtered", "its verify command failed (--require_verified)"): 5,
+        ("filtered", "its verify command timed out (--require_verified)"): 3,
+        ("filtered", "its verify check could not run (--require_verified)"): 3,  # not said as failed
+        ("filtered", "it has no verify command (--require_verified)"): 3}
+    report = inline.run("--report", "--run_name=run")
+    assert report.returncode == 0, report.stderr
+    table = (run_dir / "report.html").read_text()
+    assert table.count("<td>its verify check could not run (--require_verified)</td>") == 3
+    assert table.count("<td>its verify command failed (--require_verified)</td>") == 5
 
     # the filter is changed on resume without paying again: every row comes back
     before = len(server.requests())

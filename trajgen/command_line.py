@@ -4,21 +4,27 @@ Fire hands `main` the flags it recognises and complains about the rest only afte
 returns, by which time a run has spent money at the default settings. So the arguments are
 read here, against `RunOptions`: an unknown flag, a stray positional argument, a missing value
 or a value of the wrong type is a one-line usage error that names the flag and, for a
-misspelling, the closest real one. Fire still renders --help.
+misspelling or a name other tools use, the flag meant (trajgen/suggest.py). Fire still renders --help.
 """
 from __future__ import annotations
 
-import difflib
 import math
 import types
 import typing
 
 from trajgen.errors import UsageError
 from trajgen.options import FIELDS, TYPES
+from trajgen.suggest import did_you_mean
 
 HELP = ("--help", "-h")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 _NAMES = tuple(f.name for f in FIELDS)
+MEANT = {  # flags other tools name otherwise, which a spelling match would miss or get wrong
+    "samples": "samples_per_prompt", "num_samples": "samples_per_prompt", "n": "samples_per_prompt",
+    "workers": "num_workers", "prompts": "dataset_file", "input": "dataset_file", "temp": "temperature",
+    "endpoint": "base_url", "api_base": "base_url", "budget": "max_cost", "limit": "max_samples",
+    "format": "export",
+}
 
 
 def wants_help(argv: list[str]) -> bool:
@@ -95,10 +101,7 @@ def _describe(name: str) -> str:
 
 
 def _suggestion(name: str) -> str:
-    squashed = {n.replace("_", ""): n for n in _NAMES}
-    close = difflib.get_close_matches(name, _NAMES, n=1, cutoff=0.6) or [
-        squashed[m] for m in difflib.get_close_matches(name.replace("_", ""), squashed, n=1, cutoff=0.6)]
-    return f"; did you mean --{close[0]}?" if close else "; python batch_runner.py --help lists every flag"
+    return did_you_mean(name, _NAMES, MEANT, "--") or "; python batch_runner.py --help lists every flag"
 
 
 def _positional_hint(arg: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trajgen import merge, store, verify
 from trajgen.errors import UsageError
+from trajgen.trajectory import LATENCY_KEYS
 from trajgen.verify import Verdict
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, Entry, RunIndex
 
@@ -25,7 +26,6 @@ JUDGED = (Verdict.PASSED.value, Verdict.FAILED.value, Verdict.TIMEOUT.value)
 STATUS = {ROW: "ok", DISCARDED: "discarded", FAILED: "failed"}
 SETTINGS = ("model", "temperature", "top_p", "max_tokens", "max_turns", "distribution", "seed",
             "toolsets_per_sample", "system_prompt")  # what makes two runs differ beyond their model's skill
-LATENCY_WORDS = ("latency", "first_token", "ttft")  # statistics.json's latency figures, where the run measured them
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.manifest.get('model', '?')} ({self.path.name})"
+        return f"{self.manifest.get('model', '?')} ({self.path})"  # two runs may share a model and a name
 
 
 def load(path: Path) -> Run:
@@ -192,18 +192,12 @@ def run_figures(run: Run, keys: list[str]) -> dict:
     }
 
 
-def latency(statistics: dict) -> dict[str, float] | None:
-    """The latency figures statistics.json holds (a top-level number, or a section of numbers,
-    whose name speaks of latency or the first token), flattened to `name` or `section.name`."""
-    found: dict[str, float] = {}
-    for name, value in statistics.items():
-        if not any(word in name.lower() for word in LATENCY_WORDS):
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            found[name] = value
-        elif isinstance(value, dict):
-            found.update({f"{name}.{k}": v for k, v in value.items()
-                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+def latency(statistics: dict) -> dict[str, dict] | None:
+    """Seconds per reply (median, p95, over how many replies) to the first byte, to the first token
+    and of generation, as the run's statistics.json holds them; None where the run measured none."""
+    spreads = statistics.get("latency") if isinstance(statistics.get("latency"), dict) else {}
+    found = {key: spread for key in LATENCY_KEYS
+             if isinstance(spread := spreads.get(key), dict) and spread.get("replies")}
     return found or None
 
 

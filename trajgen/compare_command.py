@@ -50,17 +50,21 @@ def show(found: dict) -> None:
     for warning in found["warnings"]:
         console.notice(warning)
     figures = found["runs"]
+    for i, run in enumerate(figures):  # whole, whatever the width: the table's columns are only numbered
+        console.out.print(f"{comparison.run_label(i, run)} (model {run['model']})", markup=False, highlight=False,
+                          soft_wrap=True)
     table = Table(title=f"Comparison over {found['shared_prompts']} shared prompts")
     table.add_column("", no_wrap=True)
-    for i, run in enumerate(figures):
-        table.add_column(f"{i}: {Path(run['run_dir']).name}", justify="right")
+    for i in range(len(figures)):
+        table.add_column(str(i), justify="right", overflow="fold")  # a long model name wraps, never cut
     for label, cells in comparison.figure_rows(figures):
         table.add_row(label, *cells)
     console.out.print(table)
     for pair in found["pairs"]:
-        paired = Table(title=comparison.pair_label(pair, figures), show_header=False)
-        paired.add_column(style="bold")
-        paired.add_column(justify="right")
+        console.out.print(comparison.pair_label(pair, figures), markup=False, highlight=False, soft_wrap=True)
+        paired = Table(show_header=False)
+        paired.add_column(style="bold", overflow="fold")
+        paired.add_column(justify="right", overflow="fold")
         for label, value in comparison.pair_rows(pair):
             paired.add_row(label, value)
         console.out.print(paired)

@@ -11,6 +11,8 @@ import os
 import random
 from dataclasses import dataclass
 
+from trajgen.suggest import did_you_mean
+
 TOOLSETS = ("web", "vision", "image_gen", "terminal", "file", "browser")
 
 
@@ -54,9 +56,22 @@ DISTRIBUTIONS: dict[str, Distribution] = {
 def check(distribution: Distribution, known: tuple[str, ...]) -> None:
     """ValueError (one line) unless every entry is a known toolset with a chance in 1..100."""
     for toolset, percent in distribution.chances.items():
-        if toolset not in known or type(percent) is not int or not 0 < percent <= 100:
-            raise ValueError(f"distribution {distribution.name}: bad entry {toolset}={percent!r} "
-                             f"(toolsets: {', '.join(known)}; chances: integers 1 to 100)")
+        if toolset not in known:
+            raise ValueError(unknown_toolset(toolset, known))
+        if type(percent) is not int or not 0 < percent <= 100:
+            raise ValueError(f"{toolset}={percent!r}: chances are integers 1 to 100")
+
+
+def unknown_toolset(name: str, known: tuple[str, ...]) -> str:
+    """Why `name` is no toolset: a misspelling, or an MCP server without (or not in) the --mcp_config."""
+    servers = [k for k in known if k not in TOOLSETS]
+    near = did_you_mean(name, known)
+    if near:
+        return f"unknown toolset {name!r}{near} (toolsets: {', '.join(known)})"
+    if not servers:
+        return f"unknown toolset {name!r}: MCP servers need --mcp_config (built-in toolsets: {', '.join(TOOLSETS)})"
+    return (f"unknown toolset {name!r}: neither built in ({', '.join(TOOLSETS)}) nor a server of --mcp_config "
+            f"({', '.join(servers)})")
 
 
 for _builtin in DISTRIBUTIONS.values():
@@ -65,8 +80,13 @@ for _builtin in DISTRIBUTIONS.values():
 
 def get_distribution(name: str) -> Distribution:
     if name not in DISTRIBUTIONS:
-        raise KeyError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}, or a JSON file")
+        raise KeyError(_unknown_distribution(name))
     return DISTRIBUTIONS[name]
+
+
+def _unknown_distribution(name: str) -> str:
+    return (f"unknown distribution {name!r}{did_you_mean(name, DISTRIBUTIONS)} "
+            f"(valid: {', '.join(DISTRIBUTIONS)}, or a JSON file)")
 
 
 def resolve(name: str, toolsets: list[str], known: tuple[str, ...]) -> Distribution:
@@ -79,7 +99,7 @@ def resolve(name: str, toolsets: list[str], known: tuple[str, ...]) -> Distribut
     if name in DISTRIBUTIONS:
         return DISTRIBUTIONS[name]
     if not name.endswith(".json") and not os.path.isfile(name):
-        raise ValueError(f"unknown distribution {name!r}; valid: {', '.join(DISTRIBUTIONS)}, or a JSON file")
+        raise ValueError(_unknown_distribution(name))
     try:
         with open(name, "rb") as f:
             chances = json.load(f)
@@ -88,7 +108,10 @@ def resolve(name: str, toolsets: list[str], known: tuple[str, ...]) -> Distribut
     if not isinstance(chances, dict) or not chances:
         raise ValueError(f'distribution {name}: must be a non-empty JSON object of toolset chances, e.g. {{"terminal": 100, "git": 50}}')
     loaded = Distribution(name, "from a file", chances)
-    check(loaded, known)
+    try:
+        check(loaded, known)
+    except ValueError as e:
+        raise ValueError(f"distribution {name}: {e}") from None
     return loaded
 
 

@@ -23,10 +23,12 @@ from trajgen import store, verify
 from trajgen.conventions import hermes, hf, openai, parquet, sharegpt
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
+from trajgen.suggest import did_you_mean
 from trajgen.trajectory import FORMAT_VERSION
 
 CONVENTIONS = {"hf": hf, "openai": openai, "sharegpt": sharegpt, "hermes": hermes, "parquet": parquet}
 FORMATS = tuple(CONVENTIONS)
+TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt"}  # the format each trainer reads (docs/exports.md)
 VERDICTS = tuple(v.value for v in verify.Verdict)
 TRAJECTORIES = "trajectories.jsonl"
 
@@ -43,8 +45,16 @@ def outcomes(flag) -> frozenset[str] | None:
     chosen = as_list(flag)
     unknown = [v for v in chosen if v not in VERDICTS]
     if unknown:
-        raise UsageError(f"--export_outcome must be a comma list of {', '.join(VERDICTS)}; got {', '.join(unknown)}")
+        raise UsageError(f"--export_outcome must be a comma list of {', '.join(VERDICTS)}; got {', '.join(unknown)}"
+                         + did_you_mean(unknown[0], VERDICTS))
     return frozenset(chosen) or None
+
+
+def check_format(fmt: str | None) -> None:
+    """UsageError unless `fmt` is an export format; a trainer's name suggests the format it reads."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--export must be one of {', '.join(FORMATS)}, got {fmt!r}"
+                         + did_you_mean(str(fmt), FORMATS, TRAINERS, "--export="))
 
 
 def outcome(row: dict) -> dict:

@@ -123,8 +123,7 @@ def run_local(opts: RunOptions) -> Ran:
 
 
 def run_export(opts: RunOptions) -> int:
-    if opts.export not in export.FORMATS:
-        raise UsageError(f"--export must be one of {', '.join(export.FORMATS)}, got {opts.export!r}")
+    export.check_format(opts.export)
     if opts.run_name is None:
         raise UsageError("--export needs --run_name (the run to export)")
     run_dir = Path(opts.output_dir) / opts.run_name
@@ -326,11 +325,14 @@ def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
     if not exists or opts.overwrite:
         return store.Scan()
     manifest_path = run_dir / "manifest.json"
-    if manifest_path.exists() and not opts.force:
-        changed = opts.changed_since(store.read_json(manifest_path))
-        if changed:
-            raise UsageError(f"the run's settings changed ({'; '.join(changed)}); pass --force to resume anyway")
-    return store.scan(run_dir)
+    changed = opts.changed_since(store.read_json(manifest_path)) if manifest_path.exists() and not opts.force else []
+    scan = store.scan(run_dir)
+    said = f"the run's settings changed ({'; '.join(changed)})"
+    if changed and store.anything_paid(run_dir, scan):
+        raise UsageError(f"{said}; pass --force to resume anyway")
+    if changed:  # a wrong --base_url or model name stopped the run before any reply: nothing to keep apart
+        console.notice(f"{said}; nothing was paid with the old ones, so the run goes on with the new ones")
+    return scan
 
 
 def _dataset_change(prepared: Prepared) -> int:

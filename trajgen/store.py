@@ -238,6 +238,17 @@ def scan(run_dir: Path) -> Scan:
     return result
 
 
+def anything_paid(run_dir: Path, found: Scan) -> bool:
+    """Whether the run directory holds something an endpoint was paid for: a row or a discard, a
+    journaled reply, a torn line, or a failure whose attempts used tokens. Settings that paid for
+    nothing are not the run's: a resume may change them freely."""
+    if found.done or found.journal or found.torn:
+        return True
+    return any(isinstance(usage := record.get("usage"), dict)
+               and any(usage.get(k) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"))
+               for record in read_records(run_dir / FAILURES, []))
+
+
 def _journal_entry(entry: dict) -> bool:
     """Whether a journal line is an entry that trajgen/journal.py can replay."""
     return (isinstance(entry.get("key"), str) and isinstance(entry.get("turn"), int)

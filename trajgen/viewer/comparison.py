@@ -14,6 +14,8 @@ from trajgen.compare import Run, completed, passed
 from trajgen.viewer import conversation, render, server
 from trajgen.viewer.query import Filtering
 
+# seconds per reply in each run's statistics.json, named as the run's summary names them (console.latency_rows)
+LATENCY = {"first_byte": "first byte", "first_token": "first token", "generation": "generation"}
 INLINE = 200  # discordant prompts per pair whose conversations comparison.html holds; the rest are listed
 Link = Callable[[dict, str], str]  # (pair, prompt key) -> the address of its side-by-side view
 
@@ -36,7 +38,6 @@ def _or_na(value, fmt: str = "{}") -> str:
 def figure_rows(runs: list[dict]) -> list[tuple[str, list[str]]]:
     """The per-run figures as (label, one cell per run): the HTML and the terminal table show these."""
     ks = sorted({k for r in runs for k in r["pass_at_k"]}, key=int)
-    latency_names = sorted({k for r in runs for k in (r["latency"] or {})})
     rows = [
         ("model", [str(r["model"]) for r in runs]),
         ("served by", [", ".join(f"{n} ({c})" for n, c in r["served_by"].items()) or "n/a" for r in runs]),
@@ -58,14 +59,23 @@ def figure_rows(runs: list[dict]) -> list[tuple[str, list[str]]]:
         ("wall time (all invocations)", [_or_na(r["wall_seconds_total"], "{:.1f} s") for r in runs]),
         ("median seconds per sample", [_or_na(r["median_seconds_per_sample"]) for r in runs]),
     ]
-    rows += [(f"latency: {name}", [_or_na((r["latency"] or {}).get(name)) for r in runs]) for name in latency_names]
-    if not latency_names:
-        rows.append(("latency (time to first token)", ["n/a" for _ in runs]))
+    measured = {k for r in runs for k in (r["latency"] or {})}
+    rows += [(f"{LATENCY[key]} median / p95", [_spread((r["latency"] or {}).get(key)) for r in runs])
+             for key in LATENCY if key in measured or key == "first_token"]
     return rows
 
 
+def _spread(spread: dict | None) -> str:
+    return "n/a" if not spread else f"{spread['median']:.2f} s / {spread['p95']:.2f} s"
+
+
+def run_label(i: int, run: dict) -> str:
+    """A run as the tables name it: its number and directory (two runs may share a model)."""
+    return f"{i}: {run['run_dir']}"
+
+
 def pair_label(pair: dict, runs: list[dict]) -> str:
-    return f"A = {runs[pair['a']]['model']} vs B = {runs[pair['b']]['model']}"
+    return f"A = {run_label(pair['a'], runs[pair['a']])} vs B = {run_label(pair['b'], runs[pair['b']])}"
 
 
 def pair_rows(pair: dict) -> list[tuple[str, str]]:
@@ -131,7 +141,7 @@ def comparison_html(found: dict, runs: list[Run], link: Link | None = None) -> s
     figures = found["runs"]
     head = f"<h2>Comparison of {len(figures)} runs over {found['shared_prompts']} shared prompts</h2>"
     head += "".join(f'<p class="live">{_e(w)}</p>' for w in found["warnings"])
-    parts = [_card("Per run", _table(["", *(f"{i}: {r['run_dir']}" for i, r in enumerate(figures))],
+    parts = [_card("Per run", _table(["", *(run_label(i, r) for i, r in enumerate(figures))],
                                      figure_rows(figures), "figures"))]
     for pair in found["pairs"]:
         a, b = runs[pair["a"]], runs[pair["b"]]

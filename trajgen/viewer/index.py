@@ -25,6 +25,7 @@ PROMPT_CHARS = 2000  # of each prompt, kept for search
 PREVIEW_CHARS = 160
 ROW, DISCARDED, FAILED = "row", "discarded", "failed"
 SOURCES = (store.DISCARDED, store.FAILURES)
+VERDICTS = {v.value: v for v in Verdict}  # an entry holds the shared member, not a string per row
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +47,14 @@ class Entry:
     toolsets_offered: tuple[str, ...]
     toolsets_sampled: tuple[str, ...]
     hallucinated: bool
-    passed: bool  # its verify command passed (what --require_verified keeps)
+    verdict: Verdict  # of its verify command; passed is what --require_verified keeps
     partial: bool
     turns: int
     tokens: int
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict is Verdict.PASSED
 
 
 @dataclass
@@ -254,7 +259,7 @@ def _entry(kind: str, where: tuple, key, record: dict, row: dict, reason: str | 
         toolsets_offered=_names(meta.get("toolsets_offered")),
         toolsets_sampled=_names(meta.get("toolsets_sampled")),
         hallucinated=bool(meta.get("hallucinated_tools")),
-        passed=verify.status(row) == Verdict.PASSED.value,
+        verdict=VERDICTS.get(verify.status(row), Verdict.UNVERIFIED),
         partial=bool(row.get("partial")),
         turns=int(meta.get("assistant_turns") or 0),
         tokens=int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0),

@@ -6,6 +6,7 @@ from operator import attrgetter
 from typing import Callable
 
 from trajgen import merge
+from trajgen.verify import Verdict
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, Entry, RunIndex
 
 STATUSES = ("ok", "filtered", "discarded", "failed")
@@ -24,8 +25,13 @@ class Filtering:
         return merge.group(hallucinated, passed, self.keep_hallucinated, self.require_verified)
 
 
-FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered",
-                    "not_passed": "its verify command did not pass (--require_verified)"}
+FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered"}
+NOT_PASSED_BECAUSE = {  # a check that could not run says nothing about the model: not said as a failure
+    Verdict.FAILED: "its verify command failed (--require_verified)",
+    Verdict.TIMEOUT: "its verify command timed out (--require_verified)",
+    Verdict.ERROR: "its verify check could not run (--require_verified)",
+    Verdict.UNVERIFIED: "it has no verify command (--require_verified)",
+}
 
 
 def status(entry: Entry, filtering: Filtering) -> str:
@@ -38,7 +44,10 @@ def status(entry: Entry, filtering: Filtering) -> str:
 
 def reason(entry: Entry, filtering: Filtering) -> str | None:
     """The discard reason, the failure's class, or why the merge filtered the row."""
-    return entry.reason if entry.kind != ROW else FILTERED_BECAUSE.get(filtering.group(entry.hallucinated, entry.passed))
+    if entry.kind != ROW:
+        return entry.reason
+    group = filtering.group(entry.hallucinated, entry.passed)
+    return NOT_PASSED_BECAUSE[entry.verdict] if group == "not_passed" else FILTERED_BECAUSE.get(group)
 
 
 @dataclass(frozen=True)
