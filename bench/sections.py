@@ -340,7 +340,7 @@ from pathlib import Path
 from trajgen import merge, store
 run_dir = Path(sys.argv[1])
 t0 = time.perf_counter(); s = store.scan(run_dir); t1 = time.perf_counter()
-m = merge.merge(run_dir, False); t2 = time.perf_counter()
+m = merge.merge(run_dir, merge.Filtering()); t2 = time.perf_counter()
 print(json.dumps({"scan_s": t1 - t0, "merge_s": t2 - t1, "rows": m.kept.rows, "done": len(s.done),
                   "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

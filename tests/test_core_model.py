@@ -71,7 +71,7 @@ def test_object_arguments_and_a_missing_id_are_repaired_and_the_row_replays_what
                                       "function": {"name": "lookup", "arguments": '{"q":"ü","n":1}'}}]
     assert sent[-1]["tool_call_id"] == "call_1_0"
     assert conv.messages[:len(sent)] == sent  # the transcript the row is made from is what the model saw
-    outcome = decide(TASK, row=agent.render_row(TASK, conv, SETTINGS), require_reasoning=False)
+    outcome = decide(TASK, row=agent.render_row(TASK, conv, SETTINGS))
     assert outcome.status is Status.OK and b"call_1_0" in outcome.row
 
 

@@ -66,6 +66,8 @@ def run(tmp_path, count: int, executor: AnsweringExecutor, **limits) -> schedule
 def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     def answer(t: Task) -> list[Event]:
         if t.prompt_index == 1:
+            return [Finished(decide(t, row={**row(t), "truncated": True}))]
+        if t.prompt_index == 3:  # a row: --require_reasoning acts at the merge
             return [Finished(decide(t, row=row(t, reasoning=0)))]
         if t.prompt_index == 2:
             try:
@@ -83,9 +85,9 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     assert checkpoint["next_batch"] == 3 and checkpoint["batches_open"] == []
     assert checkpoint["batch_files"] == [0, 1, 2]  # all fsynced before the final checkpoint: resume reads their keys only
     assert checkpoint["counts_this_invocation"] == {"ok": 3, "discarded": 1, "failed": 1}
-    stats = merge.statistics(merge.merge(tmp_path, keep_hallucinated=False), {})
-    assert (stats["kept"], stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == (
-        3, {"no_reasoning": 1}, {"InternalError": 1})
+    stats = merge.statistics(merge.merge(tmp_path, merge.Filtering(require_reasoning=True)), {})
+    assert (stats["kept"], stats["filtered_no_reasoning"]) == (2, 1)
+    assert (stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == ({"truncated": 1}, {"InternalError": 1})
     assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
 
 

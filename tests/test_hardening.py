@@ -90,7 +90,8 @@ def test_lock_dies_with_its_holder(cli, inline, scripted_server):
 
 
 def test_append_after_a_torn_side_record_starts_on_a_fresh_line(inline, scripted_server):
-    server = scripted_server({"prompts": {"bad": [{"status": 400}]}, "default": [{"content": "no reasoning"}]})
+    cut = {"tool_calls": [{"name": "terminal", "arguments": '{"command": "ec'}], "finish_reason": "length"}
+    server = scripted_server({"prompts": {"bad": [{"status": 400}]}, "default": [cut]})  # a discard: truncated
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "bad"}, {"prompt": "plain"}])
     assert inline.run(*inline.args(server)).returncode == 1
     for name in (store.DISCARDED, store.FAILURES):  # as kill -9 or a full disk mid-append leaves them

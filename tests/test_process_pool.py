@@ -13,7 +13,7 @@ from trajgen.tools import ToolSettings
 def test_a_cancel_hands_back_the_outcomes_already_in_the_pipe(scripted_server):
     server = scripted_server({"default": [think()]})
     config = WorkerConfig(ModelSettings("test-model", server.url, "key", max_retries=0), SandboxConfig(),
-                          ToolSettings(), {}, concurrency=1, require_reasoning=False)
+                          ToolSettings(), {}, concurrency=1)
     pool = ProcessPool(1, config)
     pool.start()
     try:

@@ -37,26 +37,63 @@ def test_reasoning_in_every_form_is_captured_as_one_leading_think(inline, script
     assert _stats(inline)["reasoning_statistics"]["coverage_percent"] == 100.0
 
 
-def test_samples_without_reasoning_are_discarded_counted_and_not_redone(inline, scripted_server):
+def _batch_rows(run_dir) -> list[dict]:
+    return [r for path in sorted(run_dir.glob("batch_*.jsonl")) for r in read_jsonl(path)]
+
+
+def test_rows_without_reasoning_stay_in_the_batch_files_and_resume_merges_them_with_no_request(inline,
+                                                                                                  scripted_server):
+    server = scripted_server({"default": [{"content": "no thoughts"}]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"plain {i}"} for i in range(12)])
+    done = inline.run(*inline.args(server, batch_size=5))
+    assert done.returncode == 0, done.stderr
+    assert (inline.run_dir() / "trajectories.jsonl").read_text() == ""
+    assert len(_batch_rows(inline.run_dir())) == 12 and not (inline.run_dir() / "discarded.jsonl").read_text()
+    stats = _stats(inline)
+    assert (stats["ok"], stats["kept"], stats["filtered_no_reasoning"], stats["discarded"]["total"]) == (12, 0, 12, 0)
+    # every turn is in the denominator of the coverage, filtered or not
+    assert stats["reasoning_statistics"]["total_assistant_turns"] == 12
+    assert stats["reasoning_statistics"]["coverage_percent"] == 0.0
+    assert ("kept 0 of 12: 12 had no reasoning (--require_reasoning=False keeps them; rerun with --resume to "
+            "merge again, no request)") in " ".join(done.stderr.split())
+    asked = len(server.requests())
+    kept = inline.run(*inline.args(server, batch_size=5, resume=True, require_reasoning=False))
+    assert kept.returncode == 0, kept.stderr
+    assert "--force" not in kept.stderr and "kept 0" not in kept.stderr
+    assert len(server.requests()) == asked  # merged again, nothing asked
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 12
+    assert (_stats(inline)["kept"], _stats(inline)["filtered_no_reasoning"]) == (12, 0)
+    again = inline.run(*inline.args(server, batch_size=5, resume=True))  # the filter back on: filtered again
+    assert again.returncode == 0, again.stderr
+    assert (_stats(inline)["kept"], len(server.requests())) == (0, asked)
+
+
+def test_rows_an_earlier_version_discarded_for_no_reasoning_come_back_on_resume(inline, scripted_server):
     server = scripted_server({"prompts": {"plain": [{"content": "no thoughts"}]},
                               "default": [{"content": "ok", "reasoning": "thought"}]})
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "plain"}, {"prompt": "thinks"}])
-    done = inline.run(*inline.args(server))
-    assert done.returncode == 0, done.stderr
-    assert [r["conversations"][1]["value"] for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")] == ["thinks"]
-    discarded = read_jsonl(inline.run_dir() / "discarded.jsonl")
-    assert [(d["reason"], d["row"]["conversations"][1]["value"]) for d in discarded] == [("no_reasoning", "plain")]
+    assert inline.run(*inline.args(server)).returncode == 0
+    run_dir = inline.run_dir()
+    # as an earlier version left it: the row without reasoning discarded, in no batch file
+    (plain,) = [r for r in read_jsonl(run_dir / "batch_0.jsonl") if r["conversations"][1]["value"] == "plain"]
+    write_jsonl(run_dir / "batch_0.jsonl", [r for r in read_jsonl(run_dir / "batch_0.jsonl") if r != plain])
+    record = {"prompt_key": plain["metadata"]["prompt_key"], "prompt_index": plain["prompt_index"], "batch_num": 0,
+              "reason": "no_reasoning", "row": plain}
+    write_jsonl(run_dir / "discarded.jsonl", [record])
+    asked = len(server.requests())
+    back = inline.run(*inline.args(server, resume=True, require_reasoning=False))
+    assert back.returncode == 0, back.stderr
+    assert "1 sample(s) that an earlier version discarded for having no reasoning are back" in back.stderr
+    assert len(server.requests()) == asked
+    assert sorted(r["conversations"][1]["value"] for r in read_jsonl(run_dir / "trajectories.jsonl")) == [
+        "plain", "thinks"]
     stats = _stats(inline)
-    assert stats["discarded"] == {"total": 1, "by_reason": {"no_reasoning": 1}}
-    # the discarded sample's turn is in the denominator: coverage is 1 of 2, not 100%
-    assert stats["reasoning_statistics"] == {"total_assistant_turns": 2, "turns_with_reasoning": 1,
-                                             "turns_without_reasoning": 1, "coverage_percent": 50.0}
-    before = len(server.requests())
-    assert inline.run(*inline.args(server, resume=True)).returncode == 0
-    assert len(server.requests()) == before
-    kept = inline.run(*inline.args(server, run_name="keep", require_reasoning=False))
-    assert kept.returncode == 0
-    assert len(read_jsonl(inline.run_dir("keep") / "trajectories.jsonl")) == 2
+    assert (stats["ok"], stats["kept"], stats["discarded"]["total"]) == (2, 2, 0)
+    assert read_jsonl(run_dir / "discarded.jsonl") == [record]  # nothing a run wrote is deleted
+    again = inline.run(*inline.args(server, resume=True))
+    assert again.returncode == 0 and "are back" not in again.stderr
+    assert len(_batch_rows(run_dir)) == 2 and len(server.requests()) == asked
+    assert (_stats(inline)["kept"], _stats(inline)["filtered_no_reasoning"]) == (1, 1)
 
 
 def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(cli, scripted_server):

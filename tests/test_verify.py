@@ -71,21 +71,21 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
     verdicts = {name: sorted(r["verify"]["status"] for r in samples) for name, samples in rows.items()}
     assert verdicts == {"answer 42": ["passed"] * 3, "make a file": ["passed"] * 3, "wrong answer": ["failed"] * 3,
                         "slow check": ["timeout"] * 3, "missing checker": ["error"] * 3,
-                        "sometimes 42": ["failed", "failed", "passed"], "unchecked": ["unverified"] * 3}
+                        "sometimes 42": ["failed", "failed", "passed"], "unchecked": ["unverified"] * 3,
+                        "no reasoning": ["passed"] * 3}  # checked, then filtered at the merge (no reasoning)
     failed = rows["wrong answer"][0]["verify"]
     assert (failed["exit_code"], failed["command"], failed["error"]) == (1, CHECKS["wrong answer"][0], None)
     slow = rows["slow check"][0]["verify"]
     assert slow["exit_code"] is None and slow["seconds"] >= 1
     missing = rows["missing checker"][0]["verify"]
     assert (missing["exit_code"], missing["error"]) == (127, "command_not_found") and "not found" in missing["output"]
-    discarded = [r["row"] for r in read_jsonl(run_dir / "discarded.jsonl")]
-    assert [r["verify"]["status"] for r in discarded] == ["passed"] * 3  # checked, then discarded (no reasoning)
 
-    # --require_verified: only the 7 passed rows are kept; the statistics count by hand
+    # --require_verified: only the 7 passed rows with reasoning are kept; the statistics count by hand
     kept = read_jsonl(run_dir / "trajectories.jsonl")
     assert len(kept) == 7 and {r["verify"]["status"] for r in kept} == {"passed"}
     stats = json.loads((run_dir / "statistics.json").read_text())
-    assert (stats["ok"], stats["kept"], stats["filtered_not_passed"], stats["samples_per_prompt"]) == (21, 7, 14, 3)
+    assert (stats["ok"], stats["kept"], stats["filtered_not_passed"], stats["filtered_no_reasoning"]) == (24, 7, 14, 3)
+    assert stats["samples_per_prompt"] == 3
     # judged samples per prompt (n, passed): 42 (3,3), file (3,3), wrong (3,0), slow (3,0), sometimes (3,1), no reasoning (3,3)
     assert stats["verification"] == {
         "samples": {"passed": 10, "failed": 5, "error": 3, "timeout": 3, "unverified": 3},
@@ -100,13 +100,15 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
     index = RunIndex(run_dir)
     index.refresh()
     seen = summarize(index).stats
-    assert (seen["ok"], seen["kept"], seen["filtered_not_passed"], seen["verification"]) == (21, 7, 14, stats["verification"])
+    assert (seen["ok"], seen["kept"], seen["filtered_not_passed"], seen["filtered_no_reasoning"]) == (24, 7, 14, 3)
+    assert seen["verification"] == stats["verification"]
     filters = read_filtering(run_dir, index)
     assert Counter((status(e, filters), reason(e, filters)) for e in index.entries if e.kind == "row") == {
         ("ok", None): 7, ("filtered", "its verify command failed (--require_verified)"): 5,
         ("filtered", "its verify command timed out (--require_verified)"): 3,
         ("filtered", "its verify check could not run (--require_verified)"): 3,  # not said as failed
-        ("filtered", "it has no verify command (--require_verified)"): 3}
+        ("filtered", "it has no verify command (--require_verified)"): 3,
+        ("filtered", "no assistant turn has reasoning (--require_reasoning)"): 3}
     report = inline.run("--report", "--run_name=run")
     assert report.returncode == 0, report.stderr
     table = (run_dir / "report.html").read_text()

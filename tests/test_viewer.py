@@ -1,7 +1,7 @@
 """The trajectory viewer (--view) and the run report (--report), driven in the real Chromium.
 
 One run is made by the real CLI against the loopback scripted server (tool calls, a failure from
-an HTTP 400, a discarded sample, a hallucinated tool, hostile text); one viewer serves it and one
+an HTTP 400, a sample without reasoning, a hallucinated tool, hostile text); one viewer serves it and one
 Chromium, with every background service off, drives it for all tests of the module. Skipped
 with the reason where playwright or chromium is missing.
 """
@@ -127,9 +127,10 @@ def test_the_summary_shows_statistics_json_and_the_cli_s_numbers(made, url, page
     page.goto(url)
     shown = overview(page)
     assert shown["prompts in dataset"] == "10" == str(stats["total_prompts"])
-    assert shown["ok (rows written)"] == str(stats["ok"]) == "8"
+    assert shown["ok (rows written)"] == str(stats["ok"]) == "9"
     assert shown["kept in trajectories.jsonl"] == str(stats["kept"]) == "7"
-    assert shown["discarded"] == "no_reasoning 1" and shown["failed (resume retries)"] == "BadRequestError 1"
+    assert shown["discarded"] == "0" and shown["failed (resume retries)"] == "BadRequestError 1"
+    assert shown["filtered (no reasoning)"] == str(stats["filtered_no_reasoning"]) == "1"
     assert shown["filtered (hallucinated tool)"] == str(stats["filtered_hallucinated"]) == "1"
     assert shown["api calls"] == str(stats["api_calls"])
     assert shown["reasoning coverage"].startswith(f"{stats['reasoning_statistics']['coverage_percent']}% of ")
@@ -161,8 +162,8 @@ def test_filters_show_exactly_the_right_rows(made, url, page):
     page.locator("#detail .banner.failed").wait_for()
     assert "BadRequestError" in page.inner_text("#detail")
     page.locator("#detail .turn.human", has_text="refused").wait_for()  # its prompt, from the dataset file
-    choose(page, "status", "discarded", [3])
-    assert "no_reasoning" in page.inner_text("#rows")
+    choose(page, "status", "filtered", [3, 4])
+    assert "no assistant turn has reasoning (--require_reasoning)" in page.inner_text("#rows")
     choose(page, "status", "", every)
     choose(page, "failed_class", "BadRequestError", [2])
     choose(page, "failed_class", "", every)
@@ -234,7 +235,8 @@ def test_the_report_opens_without_any_request_but_its_own_file(made, browser):
     assert f"ok (rows written)\t{stats['ok']}" in opened.inner_text("table.overview")
     assert opened.locator("svg.chart").count() >= 5
     not_kept = [line.split("\t") for line in opened.inner_text("table.not-kept tbody").splitlines()]
-    assert [row[1:4] for row in not_kept] == [["", "failed", "BadRequestError"], ["", "discarded", "no_reasoning"],
+    assert [row[1:4] for row in not_kept] == [["", "failed", "BadRequestError"],
+                                              ["", "filtered", "no assistant turn has reasoning (--require_reasoning)"],
                                               ["", "filtered", "called a tool that was not offered"]], not_kept
     assert [row[4] for row in not_kept] == ["refused", "no reasoning", "invent a tool"]
     assert "indexed" not in done.stderr and "note:" not in done.stderr

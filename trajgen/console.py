@@ -75,6 +75,25 @@ def stopped(message: str, error: bool = True, failures: str = "") -> None:
     err.print(f"{said}{prefix}{escape(message)}\n  {escape(resume_command())}", soft_wrap=True)
 
 
+FILTERS = (  # the merge's filters: statistics.json's count, what its rows did, the flag that keeps them
+    ("filtered_no_reasoning", "had no reasoning", "--require_reasoning=False"),
+    ("filtered_hallucinated", "called a tool that was not offered", "--keep_hallucinated"),
+    ("filtered_not_passed", "did not pass their verify command", "--require_verified=False"),
+)
+
+
+def not_kept_line(stats: dict) -> str:
+    """When trajectories.jsonl kept fewer than half the finished samples: why, and the flag that keeps
+    them; empty otherwise. A filter acts at the merge only, so changing it costs no request."""
+    finished = stats["ok"] + stats["discarded"]["total"]
+    if not finished or 2 * stats["kept"] >= finished:
+        return ""
+    why = [f"{stats[name]} {what} ({flag} keeps them; rerun with --resume to merge again, no request)"
+           for name, what, flag in FILTERS if stats.get(name)]
+    why += [f"{n} discarded ({reason})" for reason, n in stats["discarded"]["by_reason"].items()]
+    return f"kept {stats['kept']} of {finished}: {', '.join(why)}"
+
+
 def failures_line(stats: dict, run_dir: Path) -> str:
     """How many prompts failed, why, and where they are listed; empty when none failed."""
     failed = stats["failed"]
@@ -137,6 +156,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("kept in trajectories.jsonl", stats["kept"]),
         ("discarded", ", ".join(f"{k} {v}" for k, v in stats["discarded"]["by_reason"].items()) or 0),
         ("filtered (hallucinated tool)", stats["filtered_hallucinated"]),
+        ("filtered (no reasoning)", stats["filtered_no_reasoning"]),
         ("filtered (verify not passed)", stats["filtered_not_passed"]),
         ("failed (resume retries)", ", ".join(f"{k} {v}" for k, v in failed["by_class"].items()) or 0),
         ("not yet run", stats["remaining_not_run"]),

@@ -23,7 +23,7 @@ from trajgen import store, verify
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
 from trajgen.verify import Verdict
 
-COUNTS_VERSION = 2  # of what statistics() counts: a change makes every run directory merge again
+COUNTS_VERSION = 3  # of what statistics() counts: a change makes every run directory merge again
 STATISTICS = "statistics.json"
 TRAJECTORIES = "trajectories.jsonl"
 
@@ -143,6 +143,7 @@ def _ratio(part: int, whole: int) -> float | None:
 class Merged:
     kept: Tally = field(default_factory=Tally)
     hallucinated: Tally = field(default_factory=Tally)
+    no_reasoning: Tally = field(default_factory=Tally)  # filtered by --require_reasoning
     not_passed: Tally = field(default_factory=Tally)  # filtered by --require_verified
     verification: Verification = field(default_factory=Verification)
     discarded: Tally = field(default_factory=Tally)
@@ -154,16 +155,33 @@ class Merged:
     torn: list[str] = field(default_factory=list)
 
 
-def group(hallucinated: bool, passed: bool, keep_hallucinated: bool, require_verified: bool) -> str:
-    """Where the merge puts a row (a field of Merged): kept, or filtered as `hallucinated` or `not_passed`."""
-    if hallucinated and not keep_hallucinated:
-        return "hallucinated"
-    return "not_passed" if require_verified and not passed else "kept"
+@dataclass(frozen=True)
+class Filtering:
+    """The merge's filters, which act on trajectories.jsonl only: the batch files keep every finished
+    row, so changing one on --resume merges again without a request."""
+
+    keep_hallucinated: bool = False
+    require_reasoning: bool = False
+    require_verified: bool = False
+
+    def group(self, hallucinated: bool, reasoned: bool, passed: bool) -> str:
+        """Where the merge puts a row (a field of Merged): kept, or filtered as `hallucinated`,
+        `no_reasoning` or `not_passed`."""
+        if hallucinated and not self.keep_hallucinated:
+            return "hallucinated"
+        if self.require_reasoning and not reasoned:
+            return "no_reasoning"
+        return "not_passed" if self.require_verified and not passed else "kept"
 
 
-def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False) -> Merged:
-    """Write trajectories.jsonl (atomically) and count everything on the way. The filters
-    (hallucinated tools, --require_verified) act here only: the batch files keep every row."""
+def reasoned(row: dict) -> bool:
+    """Whether any assistant turn of the row has reasoning (what --require_reasoning keeps)."""
+    return bool((row.get("metadata") or {}).get("turns_with_reasoning"))
+
+
+def merge(run_dir: Path, filtering: Filtering) -> Merged:
+    """Write trajectories.jsonl (atomically) and count everything on the way. The filters act here
+    only: the batch files keep every row."""
     result = Merged()
     latest = _latest_failures(run_dir, result)
     first = _FirstTime(chain(store.row_keys(run_dir, []),
@@ -182,8 +200,8 @@ def merge(run_dir: Path, keep_hallucinated: bool, require_verified: bool = False
                             continue
                         latest.pop(key, None)
                         result.verification.add(row)
-                        where = group(bool(row["metadata"].get("hallucinated_tools")),
-                                      verify.status(row) == Verdict.PASSED.value, keep_hallucinated, require_verified)
+                        where = filtering.group(bool(row["metadata"].get("hallucinated_tools")), reasoned(row),
+                                                verify.status(row) == Verdict.PASSED.value)
                         getattr(result, where).add(row)
                         if where == "kept":
                             out.write(line)  # as the batch file holds it
@@ -242,7 +260,7 @@ class _FirstTime:
         return True
 
 
-def merged_statistics(run_dir: Path, keep_hallucinated: bool, require_verified: bool, header: dict) -> dict:
+def merged_statistics(run_dir: Path, filtering: Filtering, header: dict) -> dict:
     """statistics.json after a merge, or, if nothing the last merge read or wrote has changed
     since (its `merged_from` says so), its counts with this run's header: merging a finished
     100,000-prompt run again took 8 s to write the same file."""
@@ -250,15 +268,15 @@ def merged_statistics(run_dir: Path, keep_hallucinated: bool, require_verified: 
         last = store.read_json(run_dir / STATISTICS)
     except (FileNotFoundError, store.UnreadableFile):
         last = {}
-    if last.get("merged_from") == _inputs(run_dir, keep_hallucinated, require_verified):
+    if last.get("merged_from") == _inputs(run_dir, filtering):
         return {**header, **{k: v for k, v in last.items() if k not in header}}
-    stats = statistics(merge(run_dir, keep_hallucinated, require_verified), header)
-    return {**stats, "merged_from": _inputs(run_dir, keep_hallucinated, require_verified)}
+    stats = statistics(merge(run_dir, filtering), header)
+    return {**stats, "merged_from": _inputs(run_dir, filtering)}
 
 
-def _inputs(run_dir: Path, keep_hallucinated: bool, require_verified: bool) -> str:
+def _inputs(run_dir: Path, filtering: Filtering) -> str:
     """A digest of the merge's files (name, size, modification time) and of its filters."""
-    digest = hashlib.blake2b(orjson.dumps([COUNTS_VERSION, keep_hallucinated, require_verified]), digest_size=16)
+    digest = hashlib.blake2b(orjson.dumps([COUNTS_VERSION, filtering]), digest_size=16)
     for path in (*(p for _, p in store.batch_files(run_dir)), run_dir / store.DISCARDED, run_dir / store.FAILURES,
                  run_dir / TRAJECTORIES):
         try:
@@ -271,24 +289,26 @@ def _inputs(run_dir: Path, keep_hallucinated: bool, require_verified: bool) -> s
 
 def statistics(merged: Merged, header: dict) -> dict:
     """statistics.json: `header` holds the run's settings and durations."""
-    everything = merged.kept + merged.hallucinated + merged.not_passed + merged.discarded
+    everything = merged.kept + merged.hallucinated + merged.no_reasoning + merged.not_passed + merged.discarded
     paid = everything + merged.failed_attempts
     turns = everything.assistant_turns
     return {
         **header,
-        "ok": merged.kept.rows + merged.hallucinated.rows + merged.not_passed.rows,
+        "ok": merged.kept.rows + merged.hallucinated.rows + merged.no_reasoning.rows + merged.not_passed.rows,
         "kept": merged.kept.rows,
         "discarded": {"total": merged.discarded.rows, "by_reason": dict(merged.discarded_by_reason)},
         "failed": {"total": sum(merged.failed_by_class.values()), "by_class": dict(merged.failed_by_class),
                    "attempts": merged.failed_attempts.rows, "tokens": _tokens(merged.failed_attempts),
                    "cost": dollars(merged.failed_attempts.cost)},
         "filtered_hallucinated": merged.hallucinated.rows,
+        "filtered_no_reasoning": merged.no_reasoning.rows,
         "filtered_not_passed": merged.not_passed.rows,
         "verification": merged.verification.statistics(),
         "total_batches": merged.batch_files,
         "tool_statistics": merged.kept.tool_statistics(),
         "filtered_tool_statistics": {
             "hallucinated": merged.hallucinated.tool_statistics(),
+            "no_reasoning": merged.no_reasoning.tool_statistics(),
             "discarded": merged.discarded.tool_statistics(),
             "not_passed": merged.not_passed.tool_statistics(),
         },

@@ -108,7 +108,7 @@ class RunOptions:
     stall_timeout: float = flag(120.0, "With --stream: seconds without a byte (a chunk or a keep-alive comment) after which the call is abandoned and retried.", minimum=0.001, group="limits")
     max_reply_mb: float = flag(32.0, "A reply larger than this many MB fails its prompt; no more than this is ever held.", minimum=0.001, group="limits")
     prompt_timeout: float | None = flag(None, "Wall-clock seconds per prompt; past it the prompt fails (resume retries it).", minimum=1, group="limits")
-    require_reasoning: bool = flag(True, "Discard samples in which no assistant turn has reasoning.", resume=True, group="sampling")
+    require_reasoning: bool = flag(True, "Keep only rows in which an assistant turn has reasoning in trajectories.jsonl (the rest stay in the batch files).", group="sampling")
     samples_per_prompt: int = flag(1, "Independent rollouts of each prompt, each its own sample (raising it on --resume runs only the new samples).", minimum=1, group="sampling")
     toolsets_per_sample: bool = flag(False, "Sample the toolsets for every sample instead of once per prompt (a group then differs in its tools).", resume=True, provenance=True, group="sampling")
     verify_timeout: float = flag(300.0, "Seconds a row's verify command may run in its sandbox; past it the check is a timeout.", minimum=1, group="sampling")

@@ -23,7 +23,7 @@ OURS = (errors.FatalAPIError, errors.PromptTimeout, errors.ImageUnavailable, err
 
 class Status(enum.Enum):
     OK = "ok"  # a row for the batch files
-    DISCARDED = "discarded"  # a finished conversation the quality filter rejects (or truncated); never retried
+    DISCARDED = "discarded"  # a finished conversation that is never training data (truncated); never retried
     FAILED = "failed"  # no usable conversation; resume retries it
 
 
@@ -41,8 +41,7 @@ class PromptOutcome:
     files: dict[str, bytes] = field(default_factory=dict)  # what the row's tools made, by path in the run directory
 
 
-def decide(task: Task, row: dict | None = None, error: BaseException | None = None,
-           require_reasoning: bool = True, usage: dict | None = None,
+def decide(task: Task, row: dict | None = None, error: BaseException | None = None, usage: dict | None = None,
            files: dict[str, bytes] | None = None) -> PromptOutcome:
     """The outcome of a conversation that returned `row` (and `files` for the run directory) or
     raised `error` after paying `usage`."""
@@ -61,8 +60,6 @@ def decide(task: Task, row: dict | None = None, error: BaseException | None = No
                              traceback=trace)
     if row.get("truncated"):  # tool calls cut by the token limit: never training data, and asking again pays again
         return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="truncated", files=files or {})
-    if require_reasoning and not row["metadata"]["turns_with_reasoning"]:
-        return PromptOutcome(*base, Status.DISCARDED, row=data, usage=usage, reason="no_reasoning", files=files or {})
     return PromptOutcome(*base, Status.OK, row=data, usage=usage, files=files or {})
 
 

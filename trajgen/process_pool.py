@@ -121,7 +121,7 @@ class _Worker:
         row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
         row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
         row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
-        return decide(task, row=row, require_reasoning=self.config.require_reasoning, files=prompt.ctx.files)
+        return decide(task, row=row, files=prompt.ctx.files)
 
     async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
         """Every finished conversation is checked, a discarded one too (the statistics count every

@@ -190,12 +190,15 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     if opts.overwrite:
         for child in store.entries(run_dir):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
+    if not prepared.fresh and (back := _bring_back_unreasoned(run_dir)):
+        console.notice(f"{back} sample(s) that an earlier version discarded for having no reasoning are back in the "
+                       "batch files: --require_reasoning now filters them at the merge only")
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.require_reasoning,
-                          opts.verbose, opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
+                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.verbose,
+                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -220,7 +223,8 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     opts, check = prepared.opts, prepared.check
     if outcome.unreachable and prepared.fresh and not outcome.failed:
         return _unreachable(prepared, outcome.fatal)
-    stats = merge.merged_statistics(prepared.run_dir, opts.keep_hallucinated, opts.require_verified, {
+    filtering = merge.Filtering(opts.keep_hallucinated, opts.require_reasoning, opts.require_verified)
+    stats = merge.merged_statistics(prepared.run_dir, filtering, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
         "remaining_not_run": outcome.not_run, "records_not_in_dataset": prepared.not_in_dataset,
@@ -230,6 +234,8 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     })
     store.write_json(prepared.run_dir / merge.STATISTICS, stats)
     console.summary(stats)
+    if not_kept := console.not_kept_line(stats):
+        console.notice(not_kept)
     failures = console.failures_line(stats, prepared.run_dir)
     for path in export.stale(prepared.run_dir):
         console.notice(f"{path} was exported before this merge and is stale: run --export again")
@@ -249,6 +255,29 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
         console.stopped(f"{failures}; --resume runs them again:", error=False)
         return 1
     return 0
+
+
+def _bring_back_unreasoned(run_dir: Path) -> int:
+    """Append to its batch file each row that an earlier version discarded for having no reasoning (a
+    finished, paid sample), so that the merge keeps or filters it by --require_reasoning like any row.
+    Its record stays in discarded.jsonl, where the merge and resume give way to the row."""
+    back = {record["prompt_key"]: record for record in store.read_records(run_dir / store.DISCARDED, [])
+            if record.get("reason") == "no_reasoning" and isinstance(record.get("batch_num"), int)
+            and isinstance(record.get("row"), dict) and store.row_key(record["row"]) == record.get("prompt_key")}
+    if not back:
+        return 0
+    for key in store.row_keys(run_dir, []):  # brought back already (or landed as a row since)
+        back.pop(key, None)
+    for batch_num in sorted({record["batch_num"] for record in back.values()}):
+        file = store.AppendFile(run_dir / f"batch_{batch_num}.jsonl")
+        try:
+            for record in back.values():
+                if record["batch_num"] == batch_num:
+                    file.append(orjson.Fragment(store.encode_row(record["row"])))
+            file.sync()
+        finally:
+            file.close()
+    return len(back)
 
 
 def _unreachable(prepared: Prepared, reason: str | None) -> int:

@@ -41,7 +41,6 @@ class WorkerConfig:
     tools: ToolSettings
     unavailable_tools: dict[str, str]  # decided once by the parent, so every worker offers the same
     concurrency: int  # conversations this worker may hold at once
-    require_reasoning: bool = True  # a row with no reasoning at all is discarded
     verbose: bool = False
     cache_dir: str | None = None  # the cross-run cache of replies (trajgen/journal.py), off when None
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)

@@ -11,8 +11,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import orjson
 
 from trajgen.compare import Run, completed, passed
+from trajgen.merge import Filtering
 from trajgen.viewer import conversation, render, server
-from trajgen.viewer.query import Filtering
 
 # seconds per reply in each run's statistics.json, named as the run's summary names them (console.latency_rows)
 LATENCY = {"first_byte": "first byte", "first_token": "first token", "generation": "generation"}

@@ -9,8 +9,9 @@ from pathlib import Path
 import orjson
 
 from trajgen import dataset, store, trajectory
+from trajgen.merge import Filtering
 from trajgen.viewer.index import FAILED, ROW, Entry
-from trajgen.viewer.query import Filtering, reason, status
+from trajgen.viewer.query import reason, status
 
 ROW_FIELDS = ("completed", "partial", "api_calls", "toolsets_used")
 

@@ -47,6 +47,7 @@ class Entry:
     toolsets_offered: tuple[str, ...]
     toolsets_sampled: tuple[str, ...]
     hallucinated: bool
+    reasoned: bool  # some assistant turn has reasoning: what --require_reasoning keeps
     verdict: Verdict  # of its verify command; passed is what --require_verified keeps
     partial: bool
     turns: int
@@ -65,10 +66,10 @@ class _File:
 
 @dataclass
 class Tallies:
-    """merge.Tally per group, fed as rows arrive; the rows by (called a tool not offered, verify passed),
-    which the summary sorts into kept and filtered as the run's filters did."""
+    """merge.Tally per group, fed as rows arrive; the rows by (called a tool not offered, has reasoning,
+    verify passed), which the summary sorts into kept and filtered as the run's filters did."""
 
-    rows: dict[tuple[bool, bool], merge.Tally] = field(default_factory=dict)
+    rows: dict[tuple[bool, bool, bool], merge.Tally] = field(default_factory=dict)
     discarded: merge.Tally = field(default_factory=merge.Tally)
     failed_attempts: merge.Tally = field(default_factory=merge.Tally)  # every failure record, as the merge counts them
     verification: merge.Verification = field(default_factory=merge.Verification)  # rows and discarded rows
@@ -180,7 +181,7 @@ class RunIndex:
         if held >= 0 and self.entries[held].kind == DISCARDED:
             raise _Restart
         entry = _entry(ROW, where, key, row, row, None)
-        self.tallies.rows.setdefault((entry.hallucinated, entry.passed), merge.Tally()).add(row)
+        self.tallies.rows.setdefault((entry.hallucinated, entry.reasoned, entry.passed), merge.Tally()).add(row)
         self.tallies.verification.add(row)
         self._put(key, entry)
 
@@ -259,6 +260,7 @@ def _entry(kind: str, where: tuple, key, record: dict, row: dict, reason: str | 
         toolsets_offered=_names(meta.get("toolsets_offered")),
         toolsets_sampled=_names(meta.get("toolsets_sampled")),
         hallucinated=bool(meta.get("hallucinated_tools")),
+        reasoned=merge.reasoned(row),
         verdict=VERDICTS.get(verify.status(row), Verdict.UNVERIFIED),
         partial=bool(row.get("partial")),
         turns=int(meta.get("assistant_turns") or 0),

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Callable
 
-from trajgen import merge
+from trajgen.merge import Filtering
 from trajgen.verify import Verdict
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, Entry, RunIndex
 
@@ -13,19 +13,8 @@ STATUSES = ("ok", "filtered", "discarded", "failed")
 PAGE_LIMIT = 500
 
 
-@dataclass(frozen=True)
-class Filtering:
-    """The merge's filters as the run applied them (read back from its statistics.json)."""
-
-    keep_hallucinated: bool = False
-    require_verified: bool = False
-
-    def group(self, hallucinated: bool, passed: bool) -> str:
-        """Where the merge put such a row: kept, or filtered as `hallucinated` or `not_passed`."""
-        return merge.group(hallucinated, passed, self.keep_hallucinated, self.require_verified)
-
-
-FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered"}
+FILTERED_BECAUSE = {"hallucinated": "called a tool that was not offered",
+                    "no_reasoning": "no assistant turn has reasoning (--require_reasoning)"}
 NOT_PASSED_BECAUSE = {  # a check that could not run says nothing about the model: not said as a failure
     Verdict.FAILED: "its verify command failed (--require_verified)",
     Verdict.TIMEOUT: "its verify command timed out (--require_verified)",
@@ -39,15 +28,20 @@ def status(entry: Entry, filtering: Filtering) -> str:
         return "failed"
     if entry.kind == DISCARDED:
         return "discarded"
-    return "ok" if filtering.group(entry.hallucinated, entry.passed) == "kept" else "filtered"
+    return "ok" if _group(entry, filtering) == "kept" else "filtered"
 
 
 def reason(entry: Entry, filtering: Filtering) -> str | None:
     """The discard reason, the failure's class, or why the merge filtered the row."""
     if entry.kind != ROW:
         return entry.reason
-    group = filtering.group(entry.hallucinated, entry.passed)
+    group = _group(entry, filtering)
     return NOT_PASSED_BECAUSE[entry.verdict] if group == "not_passed" else FILTERED_BECAUSE.get(group)
+
+
+def _group(entry: Entry, filtering: Filtering) -> str:
+    """Where the merge put the entry's row (the run's filters read back from its statistics.json)."""
+    return filtering.group(entry.hallucinated, entry.reasoned, entry.passed)
 
 
 @dataclass(frozen=True)

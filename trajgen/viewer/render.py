@@ -95,7 +95,8 @@ def summary_html(summary: Summary) -> str:
             'are live from the files; durations are those of the last checkpoint.</p>') if summary.live else ""
     overview = "".join(f'<tr><th scope="row">{_e(name)}</th><td>{_e(value)}</td></tr>'
                        for name, value in [*console.overview_rows(s), *console.verification_rows(s)])
-    outcome = [("kept", s["kept"], "bar-ok"), ("filtered", s["filtered_hallucinated"] + s["filtered_not_passed"], "bar-filtered"),
+    filtered = s["filtered_hallucinated"] + s["filtered_no_reasoning"] + s["filtered_not_passed"]
+    outcome = [("kept", s["kept"], "bar-ok"), ("filtered", filtered, "bar-filtered"),
                ("discarded", s["discarded"]["total"], "bar-discarded"), ("failed", s["failed"]["total"], "bar-failed"),
                ("not yet run", s["remaining_not_run"], "bar-pending")]
     outcome_chart = bars([("prompts", [(v, cls, name) for name, v, cls in outcome])], "prompts by outcome")

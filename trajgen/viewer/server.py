@@ -22,9 +22,10 @@ from urllib.parse import parse_qsl, urlsplit
 import orjson
 
 from trajgen import console
+from trajgen.merge import Filtering
 from trajgen.viewer import conversation, render
 from trajgen.viewer.index import RunIndex
-from trajgen.viewer.query import STATUSES, Filtering, Filters, Pager, reason, status
+from trajgen.viewer.query import STATUSES, Filters, Pager, reason, status
 from trajgen.viewer.summary import read_filtering, summarize
 
 POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trajgen import merge, store
+from trajgen.merge import Filtering
 from trajgen.viewer.index import DISCARDED, FAILED, ROW, RunIndex
-from trajgen.viewer.query import Filtering, reason, status
+from trajgen.viewer.query import reason, status
 
 HISTOGRAM_BINS = 20
 NOT_KEPT_SHOWN = 1000  # rows of the report's table of prompts not kept; the viewer lists them all
@@ -31,10 +32,12 @@ class Summary:
 
 def read_filtering(run_dir: Path, index: RunIndex) -> Filtering:
     """The run's filters, from what statistics.json reports: no filtered row although rows called tools
-    that were not offered (--keep_hallucinated), rows filtered for their verdict (--require_verified)."""
+    that were not offered (--keep_hallucinated), rows filtered for having no reasoning (--require_reasoning)
+    or for their verdict (--require_verified)."""
     saved = store.read_json_or_empty(run_dir / "statistics.json")
-    hallucinated = any(h and tally.rows for (h, _), tally in index.tallies.rows.items())
+    hallucinated = any(h and tally.rows for (h, _, _), tally in index.tallies.rows.items())
     return Filtering(keep_hallucinated=saved.get("filtered_hallucinated") == 0 and hallucinated,
+                     require_reasoning=bool(saved.get("filtered_no_reasoning")),
                      require_verified=bool(saved.get("filtered_not_passed")))
 
 
@@ -54,9 +57,9 @@ def summarize(index: RunIndex) -> Summary:
     filters = read_filtering(run_dir, index)
     t = index.tallies
     entries = index.entries
-    groups = {"kept": merge.Tally(), "hallucinated": merge.Tally(), "not_passed": merge.Tally()}
-    for (hallucinated, passed), tally in t.rows.items():
-        group = filters.group(hallucinated, passed)
+    groups = {name: merge.Tally() for name in ("kept", "hallucinated", "no_reasoning", "not_passed")}
+    for (hallucinated, reasoned, passed), tally in t.rows.items():
+        group = filters.group(hallucinated, reasoned, passed)
         groups[group] = _together(groups[group], tally)
     merged = merge.Merged(
         **groups, discarded=t.discarded, verification=t.verification,
