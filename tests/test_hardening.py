@@ -262,7 +262,8 @@ def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scrip
     assert resumed.returncode == 1 and _asked(server)[("flaky", 0)] == 3  # only the failed ones run again
 
 
-NOT_IMPLEMENTED = "<!DOCTYPE html><html><head><title>501 Not Implemented</title></head><body>" + "x" * 5000 + "</body></html>"
+NOT_IMPLEMENTED = ("<!DOCTYPE html><html><head><title>501 Not Implemented</title></head><body>" + "x" * 5000
+                   + "</body></html>")
 
 
 def test_an_endpoint_that_is_not_a_chat_endpoint_stops_the_run_at_once_naming_base_url(inline, scripted_server):
@@ -270,7 +271,8 @@ def test_an_endpoint_that_is_not_a_chat_endpoint_stops_the_run_at_once_naming_ba
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
     stopped = inline.run(*inline.args(server, max_retries=10))
     assert stopped.returncode == 1
-    cause = f'--base_url={server.url} answered HTTP 501 (not implemented: no chat endpoint there): an HTML page "501 Not Implemented"'
+    cause = (f'--base_url={server.url} answered HTTP 501 (not implemented: no chat endpoint there): '
+             'an HTML page "501 Not Implemented"')
     [line] = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
     assert cause in line and "<" not in stopped.stderr + stopped.stdout and "retrying" not in stopped.stderr
     assert max(_asked(server).values()) == 1 and server.stats()["requests"] <= 8  # never asked again
@@ -411,7 +413,8 @@ def test_a_400_stops_a_never_answered_endpoint_once_a_second_prompt_is_refused_a
         try:
             for prompt in prompts:
                 try:
-                    await chat_calls.complete(endpoint, settings, [{"role": "user", "content": prompt}], None, lambda: None)
+                    await chat_calls.complete(endpoint, settings, [{"role": "user", "content": prompt}], None,
+                                              lambda: None)
                 except errors.APIError as error:
                     said.append(type(error))
                 except errors.FatalAPIError as error:

@@ -7,9 +7,10 @@ never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop t
 endpoint has ever answered, so does any answer a retry will not change, naming --base_url: a 404,
 405 or 501, a 2xx body that is not JSON (a web page, some other service), a 400 that refuses a
 second prompt alike (the first may be that prompt's own fault; a context length always is), and an
-endpoint out of reach (refused, unresolvable, TLS); other 4xx fail the prompt at once. A 200 whose body (or a streamed chunk) is an error
-object is treated like the status it names; one that is not a completion is MalformedResponse, and
-one larger than --max_reply_mb is ReplyTooLarge.
+endpoint out of reach (refused, unresolvable, TLS); other 4xx fail the prompt at once. A 200 whose
+body (or a streamed chunk) is an error object is treated like the status it names; one that is not
+a completion is MalformedResponse (NotJSON when it is not JSON), and one larger than --max_reply_mb
+is ReplyTooLarge.
 
 A reply that has fully arrived is kept however its connection ends afterwards (a RST, a FIN short
 of the chunked terminator, an end that does not come within END_GRACE): it was paid for, and asking
@@ -431,7 +432,8 @@ def retry_wait(error: Exception, previous: float, answered: bool) -> float | Non
     status = status_of(error)
     if status is not None:
         if status in FATAL_STATUS:
-            raise FatalAPIError(f"{FATAL_STATUS[status]} (HTTP {status}): {getattr(error, 'message', error)}") from error
+            said = getattr(error, "message", error)
+            raise FatalAPIError(f"{FATAL_STATUS[status]} (HTTP {status}): {said}") from error
         if status not in (408, 409, 429) and status < 500:
             return None
         hinted = _retry_after(error.headers) if status in OVERLOADED and isinstance(error, APIStatusError) else None

@@ -67,7 +67,8 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
     table.add_column()
     calls_min, calls_max = plan.remaining, plan.remaining * (settings.max_turns + 1)
     rows = [
-        ("endpoint", f"{settings.base_url} ({settings.model}): " + (f"[red]{escape(problem)}[/]" if problem else "[green]answers[/]")),
+        ("endpoint", f"{settings.base_url} ({settings.model}): "
+                     + (f"[red]{escape(problem)}[/]" if problem else "[green]answers[/]")),
         *([("reasoning", _reasoning(reply))] if reply else []),
         ("prompts to run", f"{plan.remaining} ({already_done} already done)"),
         ("batches", str(plan.batch_count(batch_size))),
