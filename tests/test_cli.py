@@ -262,6 +262,32 @@ def test_a_rerun_samples_the_same_toolsets(inline, scripted_server):
     assert sampled[0] == sampled[1] and len({tuple(v) for v in sampled[0].values()}) > 1
 
 
+def test_the_default_distribution_offers_what_can_run_here_and_its_resume_samples_the_same(inline, scripted_server):
+    server = scripted_server({"default": [think()]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p0"}])
+    first = inline.run(*inline.args(server, distribution="default"))
+    assert first.returncode == 0, first.stderr
+    [said] = [line for line in first.stderr.splitlines() if "leaves out" in line]
+    assert said.startswith("note: the default distribution leaves out what cannot run here: ")
+    assert "image_gen (no image backend" in said
+    assert "toolset image_gen is unavailable" not in first.stderr  # said once, not once per toolset left out
+    assert "image_gen" in json.loads((inline.run_dir() / "manifest.json").read_text())["default_left_out"]
+
+    def sampled(run_name: str) -> list[list[str]]:
+        return [r["metadata"]["toolsets_sampled"] for r in read_jsonl(inline.run_dir(run_name) / "trajectories.jsonl")]
+
+    assert "image_gen" not in sampled("run")[0] and "terminal" in sampled("run")[0]
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p0"}, {"prompt": "p1"}])
+    can_now = {"FAL_KEY": "fal-key"}  # image_gen can run now: the run it began still leaves it out
+    resumed = inline.run(*inline.args(server, distribution="default", resume=True), env=can_now)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "image_gen (could not run when the run began)" in resumed.stderr
+    assert [len(s) for s in sampled("run")] == [len(sampled("run")[0])] * 2 and "image_gen" not in sampled("run")[1]
+    fresh = inline.run(*inline.args(server, run_name="fresh", distribution="default"), env=can_now)
+    assert fresh.returncode == 0, fresh.stderr
+    assert all("image_gen" in s for s in sampled("fresh"))
+
+
 def test_the_api_key_reaches_neither_the_sandbox_nor_the_run_directory(inline, scripted_server):
     server = scripted_server({"default": [call("terminal", command="env; cat /proc/1/environ | tr '\\0' '\\n'"),
                                           think("done")]})

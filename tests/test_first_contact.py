@@ -24,7 +24,7 @@ def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server)
     finally:
         closed.close()
     assert checked.returncode == 1
-    assert "error: the endpoint does not answer (cannot be reached: connection refused)" in checked.stderr
+    assert f"error: --base_url={url} cannot be reached: connection refused; check --base_url" in checked.stderr
     assert stopped.returncode == 1
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --base_url={url} cannot be reached: connection refused; nothing was sent or recorded. "

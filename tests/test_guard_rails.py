@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import read_jsonl, think, write_jsonl
+from trajgen import dry_run
 
 
 def test_export_of_a_missing_run_is_a_usage_error(inline):
@@ -18,17 +19,28 @@ def test_dry_run_sends_one_tiny_request_and_writes_nothing(inline, scripted_serv
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(25)])
     done = inline.run(*inline.args(server, dry_run=True, batch_size=10, distribution="development"))
     assert done.returncode == 0, done.stderr
-    assert len(server.requests()) == 1 and server.requests()[0]["body"]["max_tokens"] == 1
+    assert len(server.requests()) == 1 and server.requests()[0]["body"]["max_tokens"] == dry_run.PROBE_TOKENS
     assert "25 (0 already done)" in done.stdout and "25 to 275" in done.stdout
     assert "terminal" in done.stdout and "answers" in done.stdout
+    assert "│ reasoning        │ in the test reply" in done.stdout, done.stdout
     assert not (inline.cwd / "data").exists()
+
+
+def test_dry_run_says_when_the_test_reply_has_no_reasoning(inline, scripted_server):
+    server = scripted_server({"default": [{"content": "pong"}]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    done = inline.run(*inline.args(server, dry_run=True))
+    assert done.returncode == 0, done.stderr
+    assert "│ reasoning        │ none in the test reply" in done.stdout, done.stdout
+    assert "kept unless --require_reasoning=False" in done.stdout
 
 
 def test_dry_run_reports_a_broken_endpoint(inline, scripted_server):
     server = scripted_server({"default": [{"status": 404, "error": "no such model"}]})
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
     done = inline.run(*inline.args(server, dry_run=True))
-    assert done.returncode == 1 and "NotFoundError" in done.stdout
+    assert done.returncode == 1 and "answered HTTP 404 (model or endpoint not found)" in done.stderr
+    assert "no such model" in done.stderr
 
 
 @pytest.mark.parametrize("limit", ["max_cost=1.0", "max_total_tokens=60"])

@@ -224,7 +224,7 @@ def test_404_at_the_start_stops_the_run_and_a_later_one_fails_its_prompt(inline,
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
     stopped = inline.run(*inline.args(server, concurrency=4))
     assert stopped.returncode == 1
-    assert "not found (HTTP 404)" in _one_line_error(stopped)
+    assert f"--base_url={server.url} answered HTTP 404 (model or endpoint not found)" in _one_line_error(stopped)
     assert server.stats()["requests"] <= 8
 
     server.set_script({"prompts": {"late": [call("terminal", command="true"), {"status": 404}]},
@@ -249,16 +249,36 @@ def test_error_object_in_a_200_and_bodies_that_are_not_completions(inline, scrip
     }, "default": [think()]})
     prompts = ("flaky", "refused", "garbage", "empty", "nochoices", "fine")
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
-    done = inline.run(*inline.args(server, max_retries=3))
+    one_at_a_time = {"num_workers": 1, "concurrency": 1, "max_retries": 3}  # "flaky" is answered first
+    done = inline.run(*inline.args(server, **one_at_a_time))
     assert done.returncode == 1, done.stderr
     assert sorted(_prompts(read_jsonl(inline.run_dir() / "trajectories.jsonl"))) == ["fine", "flaky"]
     assert _asked(server)[("flaky", 0)] == 3
     failures = {f["prompt_key"]: f for f in read_jsonl(inline.run_dir() / "failures.jsonl")}
     by_class = Counter(f["error_class"] for f in failures.values())
-    assert by_class == {"MalformedResponse": 3, "ProviderError": 1}
+    assert by_class == {"MalformedResponse": 2, "NotJSON": 1, "ProviderError": 1}
     assert any("Provider refused the request" in f["message"] for f in failures.values())
-    resumed = inline.run(*inline.args(server, max_retries=3, resume=True))
+    assert any(f["message"] == 'the reply is not JSON: an HTML page of 24 bytes' for f in failures.values())
+    resumed = inline.run(*inline.args(server, resume=True, **one_at_a_time))
     assert resumed.returncode == 1 and _asked(server)[("flaky", 0)] == 3  # only the failed ones run again
+
+
+NOT_IMPLEMENTED = ("<!DOCTYPE html><html><head><title>501 Not Implemented</title></head><body>" + "x" * 5000
+                   + "</body></html>")
+
+
+def test_an_endpoint_that_is_not_a_chat_endpoint_stops_the_run_at_once_naming_base_url(inline, scripted_server):
+    server = scripted_server({"default": [{"status": 501, "body": NOT_IMPLEMENTED}]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(40)])
+    stopped = inline.run(*inline.args(server, max_retries=10))
+    assert stopped.returncode == 1
+    cause = (f'--base_url={server.url} answered HTTP 501 (not implemented: no chat endpoint there): '
+             'an HTML page "501 Not Implemented"')
+    [line] = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+    assert cause in line and "<" not in stopped.stderr + stopped.stdout and "retrying" not in stopped.stderr
+    assert max(_asked(server).values()) == 1 and server.stats()["requests"] <= 8  # never asked again
+    checked = inline.run(*inline.args(server, run_name="check", dry_run=True))
+    assert checked.returncode == 1 and cause in checked.stderr and "<" not in checked.stderr + checked.stdout
 
 
 # ---------------------------------------------------------------- secrets
@@ -359,6 +379,68 @@ def test_an_endpoint_out_of_reach_that_never_answered_stops_at_once():
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for a self-signed certificate")
+@pytest.mark.parametrize("reply, said", [
+    ({"status": 501, "body": NOT_IMPLEMENTED}, 'HTTP 501 (not implemented: no chat endpoint there): an HTML page "501'),
+    ({"status": 405, "body": ""}, "HTTP 405 (method not allowed: no chat endpoint there)"),
+    ({"status": 404, "error": "no such model"}, "HTTP 404 (model or endpoint not found)"),
+    ({"body": NOT_IMPLEMENTED}, 'with an HTML page "501 Not Implemented", not JSON: no chat endpoint there'),
+])
+def test_an_answer_no_retry_changes_stops_a_never_answered_endpoint_and_fails_a_prompt_later(
+        scripted_server, monkeypatch, reply, said):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.01)  # which answers are retried, not how long after
+    server = scripted_server({"default": [reply]})
+    settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=3, stream=False)
+    with pytest.raises(errors.FatalAPIError) as stopped:
+        _call(settings)
+    assert str(stopped.value).startswith(f"--base_url={server.url} answered {said}") and "<" not in str(stopped.value)
+    assert len(server.requests()) == 1
+    endpoint = chat_calls.Endpoint(settings, 1)
+    endpoint.answered = True  # it answered before: the same answer now fails this prompt (a 5xx after retries)
+    with pytest.raises((errors.APIStatusError, errors.NotJSON)) as failed:
+        _call(settings, endpoint)
+    assert not isinstance(failed.value, errors.FatalAPIError) and "<" not in str(failed.value)
+    assert len(server.requests()) == 1 + (4 if reply.get("status", 200) >= 500 else 1)
+
+
+def test_a_400_stops_a_never_answered_endpoint_once_a_second_prompt_is_refused_alike(scripted_server):
+    """The first may be that prompt's own fault (an image too large); a context length always is."""
+    server = scripted_server({"match": [{"contains": "long", "replies": [
+        {"status": 400, "error": "This model's maximum context length is 8192 tokens"}]}],
+        "default": [{"status": 400, "error": "not a valid model ID"}]})
+    settings = ModelSettings(model="m", base_url=server.url, api_key="k", max_retries=3)
+
+    async def ask(*prompts: str) -> list:
+        endpoint, said = chat_calls.Endpoint(settings, 1), []
+        try:
+            for prompt in prompts:
+                try:
+                    await chat_calls.complete(endpoint, settings, [{"role": "user", "content": prompt}], None,
+                                              lambda: None)
+                except errors.APIError as error:
+                    said.append(type(error))
+                except errors.FatalAPIError as error:
+                    said.append(str(error))
+        finally:
+            await endpoint.close()
+        return said
+
+    stop = f"--base_url={server.url} answered HTTP 400 (the request is refused): {{'error': {{'message': 'not a valid"
+    long_ones = asyncio.run(ask("long 1", "long 2", "long 3"))
+    assert long_ones == [errors.BadRequestError] * 3 and len(server.requests()) == 3  # none asked twice
+    first, second = asyncio.run(ask("a", "b"))
+    assert first is errors.BadRequestError and second.startswith(stop)
+
+
+def test_a_body_that_is_not_json_is_summed_up_never_pasted():
+    page = b"<html><head><title>\n  Bad &amp; gone </title></head><body>" + b"<p>x</p>" * 1000 + b"</body></html>"
+    assert errors.summary(page) == 'an HTML page "Bad & gone"'
+    assert errors.summary(b"<html><body>nothing</body></html>") == "an HTML page of 33 bytes"
+    assert errors.summary(b"upstream connect error\n or reset") == '"upstream connect error or reset"'
+    assert errors.summary(b"y" * 500) == '"' + "y" * 119 + '…" (500 bytes)'
+    assert errors.summary(b"\x00\xff\xfe") == "3 bytes that are not text"
+    assert errors.status_error(502, {}, b"").message == "Error code: 502"
+
+
 def test_a_certificate_the_system_does_not_trust_is_out_of_reach(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
                     "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],

@@ -3,11 +3,14 @@
 Retries: 429, 408, 409, 5xx, timeouts, stalls and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
-never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop the run, and so do a
-404 and an endpoint out of reach (refused, unresolvable, TLS) before it has ever answered (the
-model or the endpoint does not exist); other 4xx fail the prompt at once. A 200 whose body (or
-a streamed chunk) is an error object is treated like the status it names; one that is not a
-completion is MalformedResponse, and one larger than --max_reply_mb is ReplyTooLarge.
+never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop the run. Before the
+endpoint has ever answered, so does any answer a retry will not change, naming --base_url: a 404,
+405 or 501, a 2xx body that is not JSON (a web page, some other service), a 400 that refuses a
+second prompt alike (the first may be that prompt's own fault; a context length always is), and an
+endpoint out of reach (refused, unresolvable, TLS); other 4xx fail the prompt at once. A 200 whose
+body (or a streamed chunk) is an error object is treated like the status it names; one that is not
+a completion is MalformedResponse (NotJSON when it is not JSON), and one larger than --max_reply_mb
+is ReplyTooLarge.
 
 A reply that has fully arrived is kept however its connection ends afterwards (a RST, a FIN short
 of the chunked terminator, an end that does not come within END_GRACE): it was paid for, and asking
@@ -26,6 +29,7 @@ import ipaddress
 import math
 import os
 import random
+import re
 import ssl
 import time
 import urllib.parse
@@ -40,13 +44,16 @@ import orjson
 
 from trajgen import stream
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
-                            MalformedResponse, ProviderError, ReplyTooLarge, status_error, unreachable_cause)
+                            MalformedResponse, NotJSON, ProviderError, ReplyTooLarge, status_error, unreachable_cause)
 from trajgen.task import ModelSettings
 
 BACKOFF_BASE = 1.0
 BACKOFF_CAP = 30.0
 RETRY_AFTER_CAP = 120.0
 FATAL_STATUS = {401: "authentication failed", 402: "out of credits", 403: "access denied"}
+NEVER_ANSWERED = {**FATAL_STATUS, 400: "the request is refused", 404: "model or endpoint not found",
+                  405: "method not allowed: no chat endpoint there", 501: "not implemented: no chat endpoint there"}
+CONTEXT_LENGTH = re.compile(r"context.?(length|size|window)|maximum context|too many tokens", re.IGNORECASE)
 OVERLOADED = (429, 503)  # the endpoint asks everyone to slow down, not just this request
 CONNECT_TIMEOUT = 10.0  # seconds to connect, TLS handshake and proxy tunnel included (the openai SDK allows 5)
 ERROR_BODY_LIMIT = 1 << 16  # bytes of a non-2xx body kept for its message
@@ -77,6 +84,7 @@ class Endpoint:
         self.settings = settings
         self.connections = connections
         self.answered = False  # the endpoint has answered once: a later 404 is not a missing model
+        self.refusal: str | None = None  # the first 400 before any answer, maybe that prompt's own fault
         self.proxy = env_proxy(self.url)
         self._session: aiohttp.ClientSession | None = None
 
@@ -402,15 +410,30 @@ def backoff(previous: float) -> float:
     return min(BACKOFF_CAP, random.uniform(low, 3 * max(BACKOFF_BASE, previous)))
 
 
+def unchanging(error: Exception) -> str | None:
+    """What an endpoint that has never answered said that no retry will change, or None: a status
+    that refuses every request alike (not a context length: that prompt alone is too long), or a
+    2xx body that is not JSON. An error object in a 200 is not one: the endpoint speaks the API."""
+    if isinstance(error, NotJSON):
+        return f"answered with {error.shown}, not JSON: no chat endpoint there"
+    if not isinstance(error, APIStatusError) or error.status_code not in NEVER_ANSWERED:
+        return None
+    status = error.status_code
+    if status == 400 and CONTEXT_LENGTH.search(error.message):
+        return None
+    said = error.message.removeprefix(f"Error code: {status}").removeprefix(" - ")
+    return f"answered HTTP {status} ({NEVER_ANSWERED[status]})" + (f": {said}" if said else "")
+
+
 def retry_wait(error: Exception, previous: float, answered: bool) -> float | None:
     """Seconds to wait before the next try, or None when this error must not be retried.
     `previous` is the last wait (0 before the first retry); `answered` says whether the endpoint
-    has answered this worker before, which tells a missing model (404 at once) from a later 404."""
+    has answered this worker before: one out of reach that never answered stops the run."""
     status = status_of(error)
     if status is not None:
-        if status in FATAL_STATUS or (status == 404 and not answered):
-            what = FATAL_STATUS.get(status, "model or endpoint not found")
-            raise FatalAPIError(f"{what} (HTTP {status}): {getattr(error, 'message', error)}") from error
+        if status in FATAL_STATUS:
+            said = getattr(error, "message", error)
+            raise FatalAPIError(f"{FATAL_STATUS[status]} (HTTP {status}): {said}") from error
         if status not in (408, 409, 429) and status < 500:
             return None
         hinted = _retry_after(error.headers) if status in OVERLOADED and isinstance(error, APIStatusError) else None
@@ -441,7 +464,13 @@ async def complete(
             completion = await endpoint.call(body)
             endpoint.answered = True
             return completion
-        except (APIStatusError, APIConnectionError, ProviderError) as error:
+        except (APIStatusError, APIConnectionError, ProviderError, NotJSON) as error:
+            if not endpoint.answered and (cause := unchanging(error)):
+                if status_of(error) != 400 or endpoint.refusal == error.message:
+                    raise FatalAPIError(f"--base_url={settings.base_url} {cause}") from error
+                endpoint.refusal = error.message  # maybe this prompt's own fault (an image too large)
+            if isinstance(error, NotJSON):
+                raise
             if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
                 on_throttle()
             if isinstance(error.__cause__, Stalled):

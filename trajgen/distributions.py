@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 from trajgen.suggest import did_you_mean
 
@@ -30,7 +31,8 @@ def _d(name: str, description: str, **chances: int) -> Distribution:
 DISTRIBUTIONS: dict[str, Distribution] = {
     d.name: d
     for d in [
-        _d("default", "all tools, always", web=100, vision=100, image_gen=100, terminal=100, file=100, browser=100),
+        _d("default", "all tools that can run here, always",
+           web=100, vision=100, image_gen=100, terminal=100, file=100, browser=100),
         _d("image_gen", "image generation with vision and web", image_gen=90, vision=90, web=55, terminal=45),
         _d("research", "web research with vision", web=90, browser=70, vision=50, terminal=10),
         _d("science", "research with web, terminal, file, browser",
@@ -113,6 +115,11 @@ def resolve(name: str, toolsets: list[str], known: tuple[str, ...]) -> Distribut
     except ValueError as e:
         raise ValueError(f"distribution {name}: {e}") from None
     return loaded
+
+
+def without(distribution: Distribution, left_out: Collection[str]) -> Distribution:
+    """`distribution` never offering the `left_out` toolsets."""
+    return replace(distribution, chances={t: p for t, p in distribution.chances.items() if t not in left_out})
 
 
 def sample_toolsets(distribution: Distribution, seed: int, prompt_key: str) -> list[str]:

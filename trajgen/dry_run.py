@@ -8,28 +8,39 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 
+from rich.markup import escape
 from rich.table import Table
 
-from trajgen import chat_calls, console, errors
+from trajgen import chat_calls, console, errors, trajectory
 from trajgen.plan import Plan
 from trajgen.task import ModelSettings
 
 # Per-call token counts assumed for the cost estimate (said in the output).
 ASSUMED_PROMPT_TOKENS = 2000
 ASSUMED_COMPLETION_TOKENS = 500
+PROBE_TOKENS = 32  # enough for a reasoning model to start reasoning, or any other to finish "pong"
 
 
-async def _probe(settings: ModelSettings) -> str | None:
-    """None when the endpoint answers a one-token request, else why it does not."""
+async def _probe(settings: ModelSettings) -> tuple[str | None, chat_calls.Completion | None]:
+    """(None, the reply) when the endpoint answers a tiny request, else (why it does not, None), in
+    the words the run would stop with."""
     endpoint = chat_calls.Endpoint(settings, connections=1)
     try:
-        await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
+        return None, await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=PROBE_TOKENS),
+                                                                 [{"role": "user", "content": "ping"}], None))
     except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
         cause = errors.unreachable_cause(e)
-        return f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}"
+        return (f"cannot be reached: {cause}" if cause else chat_calls.unchanging(e)
+                or f"does not answer ({type(e).__name__}: {getattr(e, 'message', e)})"), None
     finally:
         await endpoint.close()
-    return None
+
+
+def _reasoning(reply: chat_calls.Completion) -> str:
+    """Whether the test reply reasoned: a model that does not would have every sample left out."""
+    if trajectory.split_reasoning(reply.message)[0]:
+        return "[green]in the test reply[/]"
+    return "[yellow]none in the test reply[/]: samples without reasoning are not kept unless --require_reasoning=False"
 
 
 def _prices(settings: ModelSettings) -> tuple[float, float] | None:
@@ -50,13 +61,15 @@ def _prices(settings: ModelSettings) -> tuple[float, float] | None:
 
 def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int) -> int:
     """Print the plan and the estimate; exit status 0 when the endpoint answered, else 1."""
-    problem = asyncio.run(_probe(settings))
+    problem, reply = asyncio.run(_probe(settings))
     table = Table(title="Dry run: nothing was spent but one tiny request", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     calls_min, calls_max = plan.remaining, plan.remaining * (settings.max_turns + 1)
     rows = [
-        ("endpoint", f"{settings.base_url} ({settings.model}): " + (f"[red]{problem}[/]" if problem else "[green]answers[/]")),
+        ("endpoint", f"{settings.base_url} ({settings.model}): "
+                     + (f"[red]{escape(problem)}[/]" if problem else "[green]answers[/]")),
+        *([("reasoning", _reasoning(reply))] if reply else []),
         ("prompts to run", f"{plan.remaining} ({already_done} already done)"),
         ("batches", str(plan.batch_count(batch_size))),
         ("toolsets sampled", ", ".join(f"{t} {n}" for t, n in plan.sampled.most_common()) or "none"),
@@ -74,7 +87,7 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
         table.add_row(name, value)
     console.out.print(table)
     if problem:
-        console.error(f"the endpoint does not answer ({problem}): check --base_url, --model and the key, "
+        console.error(f"--base_url={settings.base_url} {problem}; check --base_url, --model and the key, "
                       "then run --dry_run again")
         return 1
     return 0

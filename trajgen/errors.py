@@ -6,7 +6,9 @@ here that escapes a conversation fails the prompt as InternalError, with its tra
 from __future__ import annotations
 
 import errno
+import html
 import json
+import re
 import socket
 import ssl
 from collections.abc import Mapping
@@ -61,6 +63,15 @@ class MalformedResponse(Exception):
     def __init__(self, message: str, usage: dict | None = None):
         super().__init__(message)
         self.usage = usage or {}
+
+
+class NotJSON(MalformedResponse):
+    """The reply's body (or a streamed chunk) is not JSON: from an endpoint that has never answered,
+    a web page or some other service, not a chat endpoint (the run stops); later, a glitch."""
+
+    def __init__(self, what: str, body: bytes | bytearray):
+        self.shown = summary(body)
+        super().__init__(f"{what} is not JSON: {self.shown}")
 
 
 class EmptyAnswer(MalformedResponse):
@@ -135,14 +146,38 @@ STATUS_ERRORS: dict[int, type[APIStatusError]] = {
 
 
 def status_error(status: int, headers: Mapping[str, str], body: bytes) -> APIStatusError:
-    """The error for a non-2xx reply, worded as the SDK words it: `Error code: 429 - {...}`."""
+    """The error for a non-2xx reply, worded as the SDK words it: `Error code: 429 - {...}`; a body
+    that is not JSON is summed up (an HTML page by its title), never pasted."""
     text = body.decode("utf-8", "replace").strip()
     try:
-        message = f"Error code: {status} - {json.loads(text)}"
+        detail = json.loads(text)
     except ValueError:
-        message = text or f"Error code: {status}"
+        detail = summary(body) if text else None
+    message = f"Error code: {status}" + (f" - {detail}" if detail is not None else "")
     kind = STATUS_ERRORS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
     return kind(message, status, headers)
+
+
+TITLE = re.compile(rb"<title[^>]*>(.*?)</title", re.IGNORECASE | re.DOTALL)
+SUMMARY_CHARS = 120
+
+
+def summary(body: bytes | bytearray) -> str:
+    """One line for a body that is not JSON: an HTML page by its title, text by its start (cut),
+    anything else by its size; an error message never carries a web page."""
+    head = bytes(body[:4096]).lstrip()
+    if head[:1] == b"<":
+        title = TITLE.search(head)
+        name = " ".join(html.unescape(title.group(1).decode("utf-8", "replace")).split()) if title else ""
+        return f'an HTML page "{_cut(name)}"' if name else f"an HTML page of {len(body):,} bytes"
+    text = " ".join(bytes(body[:SUMMARY_CHARS * 4]).decode("utf-8", "replace").split())
+    if text and text.isprintable() and "\ufffd" not in text:
+        return f'"{_cut(text)}"' + (f" ({len(body):,} bytes)" if len(text) > SUMMARY_CHARS else "")
+    return f"{len(body):,} bytes that are not text" if body else "an empty body"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS - 1] + "…"
 
 
 def unreachable_cause(error: BaseException) -> str | None:

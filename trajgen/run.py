@@ -16,7 +16,7 @@ import orjson
 
 from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
 from trajgen import plan as plan_module
-from trajgen.distributions import TOOLSETS, Distribution, resolve as resolve_distribution
+from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
@@ -46,6 +46,7 @@ class Prepared:
     not_in_dataset: int = 0  # rows and discards of prompts the dataset no longer has (a resume with another file)
     mcp_servers: tuple[mcp_config.Server, ...] = ()
     mcp_tools: tuple[ToolSpec, ...] = ()  # read from the servers by the probe, just before the run
+    left_out: tuple[str, ...] = ()  # toolsets the default distribution leaves out: they could not run here
 
     def tasks(self, entries: Iterator[dataset.Entry] | None = None) -> Iterator[Task]:
         """The plan's prompts, streamed from the dataset to run them, or from `entries` (the
@@ -138,6 +139,9 @@ def run_export(opts: RunOptions) -> int:
     return 0
 
 
+LEFT_OUT = "default_left_out"  # manifest.json: the toolsets the default distribution left out
+
+
 def prepare(opts: RunOptions) -> Prepared:
     """Check the flags, the key, the dataset and the run directory; plan; say what is missing."""
     check_options(opts)
@@ -160,17 +164,22 @@ def prepare(opts: RunOptions) -> Prepared:
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
+    fresh = opts.overwrite or not existed
+    left_out = _left_out(distribution, unavailable_sets, run_dir, fresh)
     prepared = Prepared(opts, run_dir, dataset.DatasetCheck(), {}, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan(), distribution, opts.overwrite or not existed,
-                        mcp_servers=servers).counted()
+                        unavailable_tools, unavailable_sets, Plan(), without(distribution, left_out), fresh,
+                        mcp_servers=servers, left_out=left_out).counted()
     _say_what_is_wrong_with(prepared.check, opts)
     if refused:
         raise refused
     if not opts.dry_run and not existed:
         prepared = _make_run_dir(prepared)
     check, scan = prepared.check, prepared.scan
-    prepared = replace(prepared, manifest=opts.manifest({"path": opts.dataset_file, "fingerprint": check.fingerprint,
-                                                         "prompts": check.valid, "invalid_lines_skipped": check.error_count}))
+    manifest = opts.manifest({"path": opts.dataset_file, "fingerprint": check.fingerprint, "prompts": check.valid,
+                              "invalid_lines_skipped": check.error_count})
+    if distribution is DISTRIBUTIONS["default"]:
+        manifest[LEFT_OUT] = list(left_out)
+    prepared = replace(prepared, manifest=manifest)
     if scan.torn:
         console.notice(f"ignored {len(scan.torn)} torn line(s) left by an interrupted run: {', '.join(scan.torn[:5])}")
     for note in scan.notes:
@@ -387,9 +396,27 @@ def _dataset_change(prepared: Prepared) -> int:
     return len(done) - in_dataset
 
 
+def _left_out(distribution: Distribution, unavailable_sets: dict[str, str], run_dir: Path,
+              fresh: bool) -> tuple[str, ...]:
+    """The toolsets the `default` distribution leaves out: those that cannot run here, as the run's
+    first invocation found them (its manifest keeps them, so a resume samples the same toolsets).
+    None when nothing could run: then the notes say why for each."""
+    if distribution is not DISTRIBUTIONS["default"]:
+        return ()
+    if fresh:
+        left_out = tuple(t for t in distribution.chances if t in unavailable_sets)
+    else:  # a run begun before the default left anything out has no such list: it left out nothing
+        left_out = tuple(store.read_json_or_empty(run_dir / "manifest.json").get(LEFT_OUT) or ())
+    return () if len(left_out) == len(distribution.chances) else left_out
+
+
 def _say_what_is_missing(prepared: Prepared) -> None:
-    """Name, once, every sampled toolset or tool that cannot be offered, and images the backend ignores."""
+    """Name, once, every sampled toolset or tool that cannot be offered, what the default distribution
+    left out, and images the backend ignores."""
     opts, plan, unavailable_sets = prepared.opts, prepared.plan, prepared.unavailable_sets
+    if prepared.left_out:
+        console.notice("the default distribution leaves out what cannot run here: " + "; ".join(
+            f"{t} ({unavailable_sets.get(t, 'could not run when the run began')})" for t in prepared.left_out))
     missing = [f"toolset {toolset} is unavailable ({reason}); sampled for {plan.sampled[toolset]} prompt(s)"
                for toolset, reason in unavailable_sets.items() if plan.sampled[toolset]]
     missing += [f"tool {name} is unavailable ({reason})" for name, reason in prepared.unavailable_tools.items()

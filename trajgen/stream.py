@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from trajgen.errors import MalformedResponse, ProviderError
+from trajgen.errors import MalformedResponse, NotJSON, ProviderError
 
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # concatenated in order, as the providers send them
 NAMED_STATUS = {"server_error": 500}  # an error object's `code` or `type` that names no number (OpenAI, OpenRouter)
@@ -146,7 +146,7 @@ def json_object(data: bytes | bytearray, what: str) -> dict:
     try:
         found = orjson.loads(data)
     except orjson.JSONDecodeError:
-        raise MalformedResponse(f"{what} is not JSON: {bytes(data[:200])!r}") from None
+        raise NotJSON(what, data) from None
     if not isinstance(found, dict):
         raise MalformedResponse(f"{what} is not a JSON object: {bytes(data[:200])!r}")
     if isinstance(error := found.get("error"), dict):
