@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 from tests.conftest import call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_mcp import GIT, Prompt, check_after_a_daemon_started_through_git, probe
+from trajgen import verify
+from trajgen.sandbox.backends import SandboxConfig, cleanup
 
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image"]
 
@@ -25,3 +28,19 @@ def test_docker_backend_runs_the_server_in_the_prompts_container(cli, scripted_s
     probes = subprocess.run(["docker", "ps", "-aq", "--filter", "label=trajgen.key=mcp-probe-time"],
                             capture_output=True, text=True, check=True)
     assert probes.stdout.strip() == ""  # the probe's container went with its sandbox
+
+
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_bash_image):
+    """Started while no command loop runs (the last command timed out), the server's exec is killed all the same."""
+    config = SandboxConfig(backend="docker", root_dir=str(tmp_path / "sandboxes"), command_timeout=60,
+                           docker_image=mcp_bash_image, run_id="mcpdaemon")
+    try:
+        tools = probe(config, git=GIT)
+        prompt = Prompt(config, "daemon")
+        try:
+            check = check_after_a_daemon_started_through_git(prompt, tools)
+        finally:
+            prompt.close()
+    finally:
+        cleanup(config)
+    assert check.verdict == verify.Verdict.PASSED, check
