@@ -83,6 +83,8 @@ def cleanup(config: SandboxConfig) -> None:
     With `keep` the work dirs and containers stay: the user asked to inspect them afterwards.
     """
     cgroups.remove(label=config.label)
+    if config.run_id:  # the workers' browsers' (tools/browser.py): the run directory's lock makes them this session's
+        cgroups.remove(run_id=config.run_id, label=f"{cgroups.BROWSER}-*")
     if config.keep:
         return
     if config.root_dir:

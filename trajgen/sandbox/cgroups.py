@@ -26,6 +26,7 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 V1_FREEZER = "freezer"
 V2_CONTROLLERS = ("memory", "pids")
 KILL_DEADLINE = 10.0
+BROWSER = "browser"  # the label of a worker's browser group: trajgen-<run id>.browser-<pid>
 # how a group is frozen and thawed: the file, its values, and the file and line that say it is frozen (v2, v1)
 FREEZERS = (("cgroup.freeze", "1", "0", "cgroup.events", "frozen 1"),
             ("freezer.state", "FROZEN", "THAWED", "freezer.state", "FROZEN"))
@@ -135,7 +136,7 @@ class Group:
 
 def create(run_id: str, label: str, key: str, memory_bytes: int, max_processes: int) -> Group:
     """The sandbox's cgroup with its limits; OSError if it cannot be made."""
-    dirs = tuple(base / f"trajgen-{run_id or '-'}.{label}" / key for base in _bases()[0])
+    dirs = tuple(base / _session(run_id, label) / key for base in _bases()[0])
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         if (d / "memory.max").exists():
@@ -153,9 +154,13 @@ def remove(run_id: str = "*", label: str = "*") -> None:
     """Remove every group of a session (`label`: after a worker crash, or at its end) or of a run
     (`run_id`: what earlier invocations left); safe to repeat."""
     for base in _bases()[0]:
-        for run in base.glob(f"trajgen-{run_id}.{label}"):
+        for run in base.glob(_session(run_id, label)):
             if run.is_dir():
                 _remove((*(p for p in run.iterdir() if p.is_dir()), run))
+
+
+def _session(run_id: str, label: str) -> str:
+    return f"trajgen-{run_id or '-'}.{label}"
 
 
 def _remove(dirs: tuple[Path, ...]) -> None:
