@@ -211,8 +211,8 @@ CHECK = ("echo clean > result.txt && sleep 1 && grep -qx clean result.txt && "
          "! cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -q '[d][.]sh'")
 
 
-def check_after_a_daemon_started_through_git(prompt: Prompt, tools: dict) -> verify.Check:
-    """Start the daemon through the git server, see it rewrite the file, then run the sample's check."""
+def start_a_daemon_through_git(prompt: Prompt, tools: dict) -> None:
+    """Start the daemon through the git server and see it rewrite the file."""
     box = arun(prompt.sandbox())
     made = arun(box.run(f"printf %s {shlex.quote(DAEMON)} > d.sh && git init -q . && "
                         f"git config core.fsmonitor {shlex.quote(HOOK)}", 60))
@@ -230,7 +230,6 @@ def check_after_a_daemon_started_through_git(prompt: Prompt, tools: dict) -> ver
                 pass
             await asyncio.sleep(0.05)
     arun(asyncio.wait_for(rewritten(), 60))
-    return arun(verify.run(CHECK, "done", prompt.sandbox, 60))
 
 
 @pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
@@ -238,7 +237,8 @@ def test_no_process_an_mcp_server_started_is_alive_at_the_check(sandbox_config, 
     tools = probe(sandbox_config, git=GIT)
     prompt = Prompt(sandbox_config, "daemon")
     try:
-        check = check_after_a_daemon_started_through_git(prompt, tools)
+        start_a_daemon_through_git(prompt, tools)
+        check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
         assert check.verdict == verify.Verdict.PASSED, check
         assert [p for p in descendants(os.getpid()) if "d.sh" in cmdline(p)] == []
         settle(lambda: prompt.ctx.state["mcp"]["git"].ended(), "the session to see its server gone with the cgroup")

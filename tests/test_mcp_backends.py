@@ -7,13 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
 from tests.conftest import arun
 from tests.standins import live_instances
-from tests.test_mcp import GIT, TIME, Prompt, probe, servers_under, settle
-from trajgen.sandbox import apptainer
+from tests.test_mcp import CHECK, GIT, TIME, Prompt, probe, servers_under, settle, start_a_daemon_through_git
+from trajgen import verify
+from trajgen.sandbox import apptainer, read_file
 from trajgen.sandbox.backends import SandboxConfig, cleanup
 
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image", "tests.standins.fixtures", "tests.standins.modal_fixture"]
@@ -101,3 +103,21 @@ def test_a_killed_server_restarts_at_the_next_call_and_none_outlives_the_prompt(
         prompt.close()
     assert left(config) == []
     assert servers_under(os.getpid(), "mcp_server_time") == []
+
+
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(config):
+    tools = probe(config, git=GIT)
+    prompt = Prompt(config, "daemon")
+    try:
+        start_a_daemon_through_git(prompt, tools)
+        if config.backend == "apptainer":  # the stand-in's /tmp is root's: a check as the prompt's uid cannot mktemp there
+            box = arun(prompt.sandbox())
+            arun(box.end_processes())
+            arun(box.write_file("result.txt", b"clean\n"))
+            time.sleep(1)  # what the check would wait
+            assert arun(read_file(box, "result.txt", 100)) == b"clean\n"
+        else:
+            check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
+            assert check.verdict == verify.Verdict.PASSED, check
+    finally:
+        prompt.close()

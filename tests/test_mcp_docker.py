@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import call, read_jsonl, think, tool_outputs, write_jsonl
-from tests.test_mcp import GIT, Prompt, check_after_a_daemon_started_through_git, probe
+from tests.conftest import arun, call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_mcp import CHECK, GIT, Prompt, probe, start_a_daemon_through_git
 from trajgen import verify
 from trajgen.sandbox.backends import SandboxConfig, cleanup
 
@@ -38,7 +38,8 @@ def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_ba
         tools = probe(config, git=GIT)
         prompt = Prompt(config, "daemon")
         try:
-            check = check_after_a_daemon_started_through_git(prompt, tools)
+            start_a_daemon_through_git(prompt, tools)
+            check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
         finally:
             prompt.close()
     finally:
