@@ -30,7 +30,7 @@ def test_docker_backend_runs_the_server_in_the_prompts_container(cli, scripted_s
     assert probes.stdout.strip() == ""  # the probe's container went with its sandbox
 
 
-def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_bash_image):
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_bash_image, capfd):
     """Started while no command loop runs (the last command timed out), the server's exec is killed all the same."""
     config = SandboxConfig(backend="docker", root_dir=str(tmp_path / "sandboxes"), command_timeout=60,
                            docker_image=mcp_bash_image, run_id="mcpdaemon")
@@ -41,7 +41,9 @@ def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_ba
             start_a_daemon_through_git(prompt, tools)
             check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
         finally:
+            capfd.readouterr()
             prompt.close()
+            assert capfd.readouterr() == ("", "")  # the dead session closes quietly
     finally:
         cleanup(config)
     assert check.verdict == verify.Verdict.PASSED, check
