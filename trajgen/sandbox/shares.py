@@ -26,39 +26,37 @@ FILE_MAX = Path("/proc/sys/fs/file-max")
 UNBOUNDED = (1 << 63) - 1  # LONG_MAX: what systemd (since v240) sets fs.file-max to
 
 
-def _sysctl(name: str, default: int) -> int:
+def _read(path: Path) -> int | None:
     try:
-        return int(Path("/proc/sys", name).read_text().split()[0])
+        return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return default
+        return None
 
 
 @functools.cache
-def _fixed_sysctl(name: str, default: int) -> int:
+def _sysctl(name: str, default: int) -> int:
     """A sysctl the runner never changes, read once."""
-    return _sysctl(name, default)
+    value = _read(Path("/proc/sys", name))
+    return default if value is None else value
 
 
 def open_files(slots: int, max_processes: int) -> int:
-    """RLIMIT_NOFILE for each process of a sandbox (of the table as it is now: widen_file_table may raise it)."""
-    share = _sysctl("fs/file-max", 1 << 20) // (2 * slots * max_processes)
+    """RLIMIT_NOFILE for each process of a sandbox, of the table as it is now (widen_file_table raises it)."""
+    share = (_read(FILE_MAX) or 1 << 20) // (2 * slots * max_processes)
     return max(MIN_OPEN_FILES, min(MAX_OPEN_FILES, share))
 
 
 def ptys(slots: int) -> int:
     """The PTYs one sandbox may hold: of the instances beside the host's, which `kernel.pty.reserve` leaves."""
-    usable = _fixed_sysctl("kernel/pty/max", 4096) - _fixed_sysctl("kernel/pty/reserve", 1024)
+    usable = _sysctl("kernel/pty/max", 4096) - _sysctl("kernel/pty/reserve", 1024)
     return max(MIN_PTYS, usable // (2 * slots))
 
 
 def widen_file_table() -> str | None:
     """Raise fs.file-max to LONG_MAX if it is lower and the runner is root; the line that says what
     was done, or what is left to do, or None when nothing is."""
-    try:
-        current = int(FILE_MAX.read_text())
-    except (OSError, ValueError):
-        return None
-    if current >= UNBOUNDED:
+    current = _read(FILE_MAX)
+    if current is None or current >= UNBOUNDED:
         return None
     why = "so that each sandbox's memory limit bounds the kernel file objects it holds (docs/sandboxes.md)"
     if os.geteuid() != 0:
