@@ -105,7 +105,7 @@ def test_a_killed_server_restarts_at_the_next_call_and_none_outlives_the_prompt(
     assert servers_under(os.getpid(), "mcp_server_time") == []
 
 
-def test_no_process_an_mcp_server_started_is_alive_at_the_check(config):
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(config, capfd):
     tools = probe(config, git=GIT)
     prompt = Prompt(config, "daemon")
     try:
@@ -120,4 +120,6 @@ def test_no_process_an_mcp_server_started_is_alive_at_the_check(config):
             check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
             assert check.verdict == verify.Verdict.PASSED, check
     finally:
+        capfd.readouterr()
         prompt.close()
+    assert capfd.readouterr() == ("", "")  # the dead session closes quietly
