@@ -110,7 +110,8 @@ def test_no_process_an_mcp_server_started_is_alive_at_the_check(config, capfd):
     prompt = Prompt(config, "daemon")
     try:
         start_a_daemon_through_git(prompt, tools)
-        if config.backend == "apptainer":  # the stand-in's /tmp is root's: a check as the prompt's uid cannot mktemp there
+        if config.backend == "apptainer":  # the stand-in's /tmp is root's: a check as the prompt's uid cannot
+            # mktemp there, so the test does what the check would
             box = arun(prompt.sandbox())
             arun(box.end_processes())
             arun(box.write_file("result.txt", b"clean\n"))

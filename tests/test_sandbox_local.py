@@ -200,7 +200,8 @@ def test_resource_limits_apply(tmp_path):
 FILE_TABLE_FILLER = """
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 reports = []
 for _ in range(int(sys.argv[1])):
     report, out = os.pipe()
@@ -249,6 +250,31 @@ def test_a_sandbox_holds_file_objects_only_within_its_memory_limit(tmp_path):
     assert "hit its memory limit (64 MB" in filled.error, filled
     held = filled.output.splitlines()
     assert len(held) == 4 and "killed" in held, filled  # not all 4 x 65,000 objects: the memory limit stopped them
+
+
+@pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
+def test_a_group_a_killed_runner_left_frozen_is_still_emptied_and_removed():
+    """A runner killed between freezing a sandbox's group and thawing it: the next one's sweep ends it."""
+    run_id = uuid.uuid4().hex[:12]
+    group = cgroups.create(run_id, "frozen", "p1", 64 << 20, 16)
+    enter = "; ".join(f"echo $$ > {f}" for f in group.procs_files)
+    held = subprocess.Popen(["sh", "-c", f"{enter}; exec sleep 600"])
+    try:
+        wait = time.monotonic() + 30
+        while held.pid not in group.pids() and time.monotonic() < wait:
+            time.sleep(0.01)
+        freezers = [(d / name, value) for d in group.dirs for name, value, *_ in cgroups.FREEZERS
+                    if (d / name).exists()]
+        if not freezers:
+            pytest.skip("no freezer here (cgroup v1 without the freezer controller)")
+        [(state, frozen)] = freezers
+        state.write_text(frozen)
+        cgroups.remove(run_id)
+        assert held.wait(timeout=30) == -9
+        assert not any(d.exists() for d in group.dirs)
+    finally:
+        held.kill()
+        held.wait()
 
 
 def test_the_file_table_is_widened_only_as_root_and_the_run_is_told(tmp_path, monkeypatch):

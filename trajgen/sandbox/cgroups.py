@@ -126,7 +126,7 @@ class Group:
         kill_pids(sorted(self.pids()))
 
     def remove(self) -> None:
-        """Kill whatever still runs in it, then remove it."""
+        """Kill whatever still runs in it (one a killed runner left frozen included), then remove it."""
         try:
             self.kill()
         except OSError:  # _remove goes on trying until its own deadline
@@ -153,10 +153,12 @@ def create(run_id: str, label: str, key: str, memory_bytes: int, max_processes: 
 def remove(run_id: str = "*", label: str = "*") -> None:
     """Remove every group of a session (`label`: after a worker crash, or at its end) or of a run
     (`run_id`: what earlier invocations left); safe to repeat."""
-    for base in _bases()[0]:
-        for run in base.glob(_session(run_id, label)):
-            if run.is_dir():
-                _remove((*(p for p in run.iterdir() if p.is_dir()), run))
+    bases = _bases()[0]
+    for name in {run.name for base in bases for run in base.glob(_session(run_id, label)) if run.is_dir()}:
+        keys = {p.name for base in bases if (base / name).is_dir() for p in (base / name).iterdir() if p.is_dir()}
+        for key in keys:  # each group across its hierarchies, so that it is killed frozen
+            Group(tuple(base / name / key for base in bases)).remove()
+        _remove(tuple(base / name for base in bases))
 
 
 def _session(run_id: str, label: str) -> str:

@@ -65,5 +65,6 @@ def widen_file_table() -> str | None:
     try:
         FILE_MAX.write_text(str(UNBOUNDED))
     except OSError as e:
-        return f"cannot raise fs.file-max from {current:,} ({e.strerror or e}): one sandbox can fill it within its memory"
+        return (f"cannot raise fs.file-max from {current:,} ({e.strerror or e}): one sandbox can fill it "
+                "within its memory")
     return f"raised fs.file-max from {current:,} to {UNBOUNDED} (as systemd does), {why}"
