@@ -11,6 +11,7 @@ for them), and every address they name is loopback or private, refused before an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 
@@ -18,6 +19,7 @@ import pytest
 
 import model_tools
 from tests.test_web_tools import local_site  # noqa: F401  (fixture)
+from trajgen.sandbox import cgroups
 from trajgen.tools import ToolContext, ToolSettings, browser
 from trajgen.tools.browser import (CONTEXT_KEY, GUARD_KEY, browser_back, browser_click, browser_navigate,
                                    browser_scroll, browser_snapshot, browser_type)
@@ -356,3 +358,21 @@ def test_chromium_runs_unprivileged_with_its_own_sandbox(local_site):
     assert any("--type=renderer" in args for _, args in seen), seen
     assert all(uid != 0 for uid, _ in seen), [(u, a[:80]) for u, a in seen if u == 0]
     assert not any("--no-sandbox" in args for _, args in seen)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or cgroups.problem() is not None,
+                    reason="the browser's memory cgroup needs a root runner and cgroups")
+def test_a_page_past_the_browsers_memory_limit_is_killed_and_the_next_call_works(local_site):
+    """A page whose script holds 2 GB, with --sandbox_memory=512: its renderer is killed, not the runner."""
+    async def steps(contexts: list[ToolContext]) -> None:
+        ctx = context()
+        ctx.settings = dataclasses.replace(ctx.settings, browser_memory_mb=512)
+        contexts.append(ctx)
+        hog = await browser_navigate(ctx, url=local_site.url + "/hog")
+        assert hog == {"success": False, "error": "the page went past the browser's memory limit (512 MB) and the "
+                                                  "kernel killed it; its tab is closed"}, hog
+        after = await browser_navigate(ctx, url=local_site.url + "/")
+        assert after["success"] and after["title"] == "Local Test Site", after
+
+    in_browser(steps)
+    assert [d for base in cgroups._bases()[0] for d in base.glob(f"trajgen-*.browser-{os.getpid()}")] == []

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -21,7 +22,8 @@ import pytest
 
 from tests.conftest import arun, call, read_jsonl, think, write_jsonl
 from trajgen.errors import UsageError
-from trajgen.sandbox import SandboxConfig, stdio
+from trajgen import verify
+from trajgen.sandbox import SandboxConfig, SandboxError, cgroups, read_file, stdio
 from trajgen.sandbox.backends import bwrap_problem, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
 from trajgen import trajectory
@@ -279,6 +281,52 @@ def test_a_config_env_value_reaches_the_server_on_no_command_line(sandbox_config
         assert prompt.call(tools["variable"], name="PWD")["output"] == "/workspace"  # not the work dir's host path
     finally:
         prompt.close()
+
+
+# the red team's attack: git's fsmonitor hook, run by the git server's `git status`, starts a daemon (in the
+# server's process tree, not the commands') that rewrites the checked file
+DAEMON = "while :; do echo rewritten > result.txt; sleep 0.05; done\n"
+HOOK = "setsid sh d.sh >/dev/null 2>&1 </dev/null &"
+# the check: the file stays as it writes it, and no process it can see runs the daemon
+CHECK = ("echo clean > result.txt && sleep 1 && grep -qx clean result.txt && "
+         "! cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -q '[d][.]sh'")
+
+
+def start_a_daemon_through_git(prompt: Prompt, tools: dict) -> None:
+    """Start the daemon through the git server and see it rewrite the file."""
+    box = arun(prompt.sandbox())
+    made = arun(box.run(f"printf %s {shlex.quote(DAEMON)} > d.sh && git init -q . && "
+                        f"git config core.fsmonitor {shlex.quote(HOOK)}", 60))
+    assert made.exit_code == 0, made.output
+    assert arun(box.run("sleep 60", 1)).exit_code is None  # a timeout ends the command loop: none runs at the check
+    status = prompt.call(tools["git_status"], repo_path=box.cwd)
+    assert status["success"], status
+
+    async def rewritten() -> None:
+        while True:
+            try:
+                if b"rewritten" in await read_file(box, "result.txt", 1000):
+                    return
+            except SandboxError:  # not written yet
+                pass
+            await asyncio.sleep(0.05)
+    arun(asyncio.wait_for(rewritten(), 60))
+
+
+@pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(sandbox_config, capfd):
+    tools = probe(sandbox_config, git=GIT)
+    prompt = Prompt(sandbox_config, "daemon")
+    try:
+        start_a_daemon_through_git(prompt, tools)
+        check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
+        assert check.verdict == verify.Verdict.PASSED, check
+        assert [p for p in descendants(os.getpid()) if "d.sh" in cmdline(p)] == []
+        settle(lambda: prompt.ctx.state["mcp"]["git"].ended(), "the session to see its server gone with the cgroup")
+    finally:
+        capfd.readouterr()
+        prompt.close()
+    assert capfd.readouterr() == ("", "")  # the dead session closes quietly
 
 
 @pytest.mark.parametrize("config, message", [

@@ -7,14 +7,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
 from tests.conftest import arun
 from tests.standins import live_instances
-from tests.test_mcp import GIT, SECRET, STDIO, TIME, Prompt, probe, servers_under, settle
+from tests.test_mcp import (CHECK, GIT, SECRET, STDIO, TIME, Prompt, probe, servers_under, settle,
+                            start_a_daemon_through_git)
+from trajgen import verify
+from trajgen.sandbox import apptainer, read_file
 from trajgen.tools import mcp
-from trajgen.sandbox import apptainer
 from trajgen.sandbox.backends import SandboxConfig, cleanup
 
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image", "tests.standins.fixtures", "tests.standins.modal_fixture"]
@@ -115,3 +118,24 @@ def test_a_message_past_the_cap_fails_its_call_and_the_config_env_reaches_the_re
     finally:
         prompt.close()
     assert left(config) == []
+
+
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(config, capfd):
+    tools = probe(config, git=GIT)
+    prompt = Prompt(config, "daemon")
+    try:
+        start_a_daemon_through_git(prompt, tools)
+        if config.backend == "apptainer":  # the stand-in's /tmp is root's: a check as the prompt's uid cannot
+            # mktemp there, so the test does what the check would
+            box = arun(prompt.sandbox())
+            arun(box.end_processes())
+            arun(box.write_file("result.txt", b"clean\n"))
+            time.sleep(1)  # what the check would wait
+            assert arun(read_file(box, "result.txt", 100)) == b"clean\n"
+        else:
+            check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
+            assert check.verdict == verify.Verdict.PASSED, check
+    finally:
+        capfd.readouterr()
+        prompt.close()
+    assert capfd.readouterr() == ("", "")  # the dead session closes quietly

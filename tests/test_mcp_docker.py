@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import call, read_jsonl, think, tool_outputs, write_jsonl
-from tests.test_mcp import SECRET, STDIO, Prompt, cmdline, descendants, probe
+from tests.conftest import arun, call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.test_mcp import CHECK, GIT, SECRET, STDIO, Prompt, cmdline, descendants, probe, start_a_daemon_through_git
+from trajgen import verify
 from trajgen.sandbox.backends import SandboxConfig, cleanup
 
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image"]
@@ -47,3 +48,22 @@ def test_a_config_env_value_reaches_the_server_on_no_command_line(tmp_path, mcp_
     finally:
         prompt.close()
         cleanup(config)
+
+
+def test_no_process_an_mcp_server_started_is_alive_at_the_check(tmp_path, mcp_bash_image, capfd):
+    """Started while no command loop runs (the last command timed out), the server's exec is killed all the same."""
+    config = SandboxConfig(backend="docker", root_dir=str(tmp_path / "sandboxes"), command_timeout=60,
+                           docker_image=mcp_bash_image, run_id="mcpdaemon")
+    try:
+        tools = probe(config, git=GIT)
+        prompt = Prompt(config, "daemon")
+        try:
+            start_a_daemon_through_git(prompt, tools)
+            check = arun(verify.run(CHECK, "done", prompt.sandbox, 60))
+        finally:
+            capfd.readouterr()
+            prompt.close()
+            assert capfd.readouterr() == ("", "")  # the dead session closes quietly
+    finally:
+        cleanup(config)
+    assert check.verdict == verify.Verdict.PASSED, check

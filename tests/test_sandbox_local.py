@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError, read_file, supervisor
-from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
+from trajgen.sandbox import SandboxError, cgroups, read_file, shares, supervisor
+from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox, prepare_host
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
@@ -193,6 +193,107 @@ def test_resource_limits_apply(tmp_path):
         cleanup(config)
     assert limits.output.split() == ["7", "99", str(1024), str(300 * 1024)]
     assert big.output.split()[-1] == "1048576"  # the write stopped at 1 MiB
+
+
+# `open`, `mmap`, `close` in a loop: the file objects stay, no rlimit counts them. N processes (forked: one
+# Python's memory) each map the file up to 65,000 times (about vm.max_map_count) and say how many they held
+FILE_TABLE_FILLER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+reports = []
+for _ in range(int(sys.argv[1])):
+    report, out = os.pipe()
+    release, hold = os.pipe()
+    if os.fork() == 0:
+        os.close(report)
+        os.close(hold)
+        open("/proc/self/oom_score_adj", "w").write("1000")  # the memory limit kills a filler, not this parent
+        held, why = 0, "65000"
+        while held < 65000:
+            fd = os.open("f", os.O_RDONLY)
+            if libc.mmap(None, 1, 1, 2, fd, 0) == ctypes.c_void_p(-1).value:
+                why = os.strerror(ctypes.get_errno())
+                break
+            os.close(fd)
+            held += 1
+        os.write(out, f"{held} {why}\\n".encode())
+        os.read(release, 1)  # held until this parent ends
+        os._exit(0)
+    os.close(out)
+    reports.append(report)
+for report in reports:
+    print(os.read(report, 100).decode().strip() or "killed")
+"""
+
+
+@pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
+def test_a_sandbox_holds_file_objects_only_within_its_memory_limit(tmp_path):
+    """4 x 65,000 file objects (about 100 MB of kernel memory) in a sandbox of 64 MB: its memory
+    cgroup is charged for them and stops it; fs.file-max, raised as systemd does, is then no
+    bound any sandbox can reach (docs/sandboxes.md)."""
+    config = SandboxConfig(root_dir=str(tmp_path / "sb"), memory_mb=64)
+    before = int(shares.FILE_MAX.read_text())
+    said = [] if before == shares.UNBOUNDED else [
+        f"raised fs.file-max from {before:,} to {shares.UNBOUNDED} (as systemd does), so that each sandbox's "
+        "memory limit bounds the kernel file objects it holds (docs/sandboxes.md)"]
+    assert prepare_host(config) == said
+    assert int(shares.FILE_MAX.read_text()) == shares.UNBOUNDED
+    try:
+        sandbox = open_sandbox(config, "filler", None, None)
+        arun(sandbox.write_file("f", b"x"))
+        arun(sandbox.write_file("filler.py", FILE_TABLE_FILLER.encode()))
+        filled = run(sandbox, f"{sys.executable} filler.py 4", 120)
+    finally:
+        cleanup(config)
+    assert "hit its memory limit (64 MB" in filled.error, filled
+    held = filled.output.splitlines()
+    assert len(held) == 4 and "killed" in held, filled  # not all 4 x 65,000 objects: the memory limit stopped them
+
+
+@pytest.mark.skipif(cgroups.problem() is not None, reason=f"no cgroups for sandboxes here: {cgroups.problem()}")
+def test_a_group_a_killed_runner_left_frozen_is_still_emptied_and_removed():
+    """A runner killed between freezing a sandbox's group and thawing it: the next one's sweep ends it."""
+    run_id = uuid.uuid4().hex[:12]
+    group = cgroups.create(run_id, "frozen", "p1", 64 << 20, 16)
+    enter = "; ".join(f"echo $$ > {f}" for f in group.procs_files)
+    held = subprocess.Popen(["sh", "-c", f"{enter}; exec sleep 600"])
+    try:
+        wait = time.monotonic() + 30
+        while held.pid not in group.pids() and time.monotonic() < wait:
+            time.sleep(0.01)
+        freezers = [(d / name, value) for d in group.dirs for name, value, *_ in cgroups.FREEZERS
+                    if (d / name).exists()]
+        if not freezers:
+            pytest.skip("no freezer here (cgroup v1 without the freezer controller)")
+        [(state, frozen)] = freezers
+        state.write_text(frozen)
+        cgroups.remove(run_id)
+        assert held.wait(timeout=30) == -9
+        assert not any(d.exists() for d in group.dirs)
+    finally:
+        held.kill()
+        held.wait()
+
+
+def test_the_file_table_is_widened_only_as_root_and_the_run_is_told(tmp_path, monkeypatch):
+    """The host's own fs.file-max stays as it is: a file in its place (lowering it back is no test's to do)."""
+    table = tmp_path / "file-max"
+    monkeypatch.setattr(shares, "FILE_MAX", table)
+    table.write_text("2466116\n")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    [told] = prepare_host(SandboxConfig(backend="docker"))
+    assert told.startswith("fs.file-max is 2,466,116, which one sandbox can fill within its memory; as root")
+    assert table.read_text() == "2466116\n"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert prepare_host(SandboxConfig(backend="modal")) == []  # Modal's sandboxes are not on this machine
+    assert prepare_host(SandboxConfig()) == [f"raised fs.file-max from 2,466,116 to {shares.UNBOUNDED} (as systemd "
+                                             "does), so that each sandbox's memory limit bounds the kernel file "
+                                             "objects it holds (docs/sandboxes.md)"]
+    assert int(table.read_text()) == shares.UNBOUNDED == (1 << 63) - 1
+    assert prepare_host(SandboxConfig()) == []  # said once: nothing is left to raise
+    assert shares.open_files(32, 512) == shares.MAX_OPEN_FILES
 
 
 def test_files_map_to_the_work_dir_and_escapes_are_refused(config):

@@ -50,6 +50,11 @@ FORM = """<!doctype html><html><head><title>Greeting Form</title></head><body>
 <h1>Say hello</h1>
 <form action="/result" method="get"><label>Your name <input type="text" name="q"></label>
 <button type="submit">Send</button></form></body></html>"""
+# 2 GB held by the page's script (typed arrays, written so that their pages are really taken)
+HOG = """<!doctype html><html><head><title>Hog</title></head><body><script>
+const held = []; for (let i = 0; i < 256; i++) held.push(new Uint8Array(8 << 20).fill(1));
+document.title = "held " + held.length;
+</script></body></html>"""
 
 
 class LocalSite:
@@ -89,6 +94,7 @@ class LocalSite:
             "/cat.png": (200, "image/png", PNG, None),
             "/data.json": (200, "application/json", b'{"answer": 42}', None),
             "/big.txt": (200, "text/plain", b"x" * (3 * 1024 * 1024), None),
+            "/hog": (200, "text/html; charset=utf-8", HOG.encode(), None),
             "/redirect": (302, "text/plain", b"", "/"),
             "/loop": (302, "text/plain", b"", "/loop"),
             "/to-file": (302, "text/plain", b"", "file:///etc/passwd"),

@@ -135,7 +135,7 @@ class RunOptions:
     sandbox_network: bool = flag(False, "Give sandboxes network access (off by default).", group="tools")
     keep_sandboxes: bool = flag(False, "Keep per-prompt sandboxes after the run, for debugging.", group="tools")
     unsafe_local: bool = flag(False, "Where bubblewrap cannot run, use plain per-prompt directories (weaker isolation).", group="tools")
-    sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none).", minimum=16, group="tools")
+    sandbox_memory: int = flag(4096, "MB of memory per sandbox, its /tmp and work dir included (a cgroup; per process where none), and of each worker's browser (a cgroup, as root).", minimum=16, group="tools")
     sandbox_disk: int = flag(1024, "MB of /tmp and of the work dir per sandbox (each a sized tmpfs).", minimum=1, group="tools")
     docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of a uid of their own per prompt.", group="tools")
     apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).", group="tools")
@@ -163,7 +163,7 @@ class RunOptions:
             vision_model=self.vision_model or "", vision_base_url=self.vision_base_url or "",
             vision_api_key=self.vision_api_key or "", image_model=self.image_model or "",
             browser_executable=self.browser_executable or "", allow_private_urls=self.allow_private_urls,
-            tool_timeout=self.tool_timeout)
+            tool_timeout=self.tool_timeout, browser_memory_mb=self.sandbox_memory, run_id=self.run_id)
 
     @property
     def run_id(self) -> str:

@@ -22,6 +22,7 @@ from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as chec
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
+from trajgen.sandbox.backends import prepare_host
 from trajgen.tools import ToolSettings, ToolSpec, mcp_config
 from trajgen.task import ModelSettings, Task, WorkerConfig
 from trajgen.process_pool import ProcessPool, worker_share
@@ -97,6 +98,8 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
     try:
         if not opts.dry_run:  # the run directory is locked: what carries this run's tag was left by a killed runner
             reap(sandbox)
+            for line in prepare_host(sandbox):
+                console.notice(line)
         if any(prepared.plan.sampled[s.name] for s in prepared.mcp_servers):
             try:
                 prepared = replace(prepared, mcp_tools=_probe_mcp(prepared, sandbox))

@@ -1,7 +1,7 @@
 """The check of a finished sample: its row's `verify` command, run in the sample's own sandbox.
 
-When the conversation ends, before the sandbox closes, every process its commands left is
-killed, the model's final answer is written to FINAL_ANSWER in the work dir and the command runs
+When the conversation ends, before the sandbox closes, every process of it (what its commands
+left, its MCP servers and what they started) is killed, the model's final answer is written to FINAL_ANSWER in the work dir and the command runs
 there in a clean room (CLEAN_ROOM), through the `Sandbox` protocol only, so every backend runs it
 the same way (with the run's network setting and its own timeout). The work dir is what is
 checked, as the model left it; nothing else of the conversation reaches the check: its HOME is a

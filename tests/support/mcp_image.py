@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dockerd import _busybox_rootfs, _import_image
+from tests.dockerd import _busybox_rootfs, _host_tools, _import_image
 
 PYTHON = sys.executable  # the servers' command inside the image: `PYTHON -m mcp_server_git`
 # one image per Python that runs the tests (a venv's, the machine's), each at its own host path
@@ -102,3 +102,9 @@ def mcp_image(docker_engine: str) -> str:
     pytest.importorskip("mcp_server_git")
     pytest.importorskip("mcp_server_time")
     return _import_image(IMAGE, _busybox_rootfs, _python_with_servers)
+
+
+@pytest.fixture(scope="session")
+def mcp_bash_image(mcp_image: str) -> str:
+    """The same with bash: prompts' commands run through the command loop."""
+    return _import_image(IMAGE.replace(":", "-bash:"), _busybox_rootfs, _python_with_servers, _host_tools)

@@ -69,7 +69,8 @@ class Sandbox(Protocol):
     async def write_file(self, path: str, data: bytes) -> None: ...
 
     async def end_processes(self) -> None:
-        """Kill every process the prompt's commands may have left; the files stay."""
+        """Kill every process of the sandbox (what its commands left, its MCP servers and what they
+        started) and return once they are gone; the files stay."""
         ...
 
     async def close(self) -> None: ...

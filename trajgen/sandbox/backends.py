@@ -11,12 +11,12 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox
+from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox, shares
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
 __all__ = ["SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images", "new_root_dir",
-           "limit_notices", "runs_images"]
+           "limit_notices", "prepare_host", "runs_images"]
 
 SESSION_TAG = "trajgen.session"  # every sandbox of one invocation (SandboxConfig.label)
 RUN_TAG = "trajgen.run"  # every sandbox of one run directory, whichever invocation started it (run_id)
@@ -69,12 +69,22 @@ def limit_notices(config: SandboxConfig) -> list[str]:
     return notices
 
 
+def prepare_host(config: SandboxConfig) -> list[str]:
+    """Change what this machine's sandboxes need changed on it (as root only), before the first one
+    starts; the lines that say what was changed, or is left to do (docs/sandboxes.md)."""
+    if config.backend == "modal":  # its sandboxes run on Modal's machines
+        return []
+    return [line] if (line := shares.widen_file_table()) else []
+
+
 def cleanup(config: SandboxConfig) -> None:
     """Remove every work dir under root_dir, every cgroup and container of this session; safe to repeat.
 
     With `keep` the work dirs and containers stay: the user asked to inspect them afterwards.
     """
     cgroups.remove(label=config.label)
+    if config.run_id:  # the workers' browsers' (tools/browser.py): the run directory's lock makes them this session's
+        cgroups.remove(run_id=config.run_id, label=f"{cgroups.BROWSER}-*")
     if config.keep:
         return
     if config.root_dir:

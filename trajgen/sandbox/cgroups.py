@@ -1,9 +1,11 @@
 """A cgroup per local sandbox: one limit on its memory (/tmp and work dir pages included), its
-processes and its CPU share, whatever the commands do.
+processes and its CPU share, whatever the commands do, and one place that holds every process of
+the sandbox (its command loop, its MCP servers, whatever they started) to end them all at once.
 
 Both hierarchies are supported, found at start: cgroup v2 (`/sys/fs/cgroup/cgroup.controllers`),
 where the runner's own cgroup must be able to hand `memory` and `pids` to children, and v1 with
-the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>`. Groups live
+the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>` (and `freezer`,
+used where mounted, so that nothing forks while the group is killed). Groups live
 under the runner's own cgroup, as `trajgen-<run id>.<session label>/<key>`: the session's end
 removes its own, and the next invocation of a run those a runner killed with -9 left. Where neither
 can be used (no root, a cgroup that is not delegated) `problem()` says why and the sandbox keeps
@@ -21,8 +23,13 @@ from trajgen.sandbox.process import kill_pids
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_FREEZER = "freezer"
 V2_CONTROLLERS = ("memory", "pids")
 KILL_DEADLINE = 10.0
+BROWSER = "browser"  # the label of a worker's browser group: trajgen-<run id>.browser-<pid>
+# how a group is frozen and thawed: the file, its values, and the file and line that say it is frozen (v2, v1)
+FREEZERS = (("cgroup.freeze", "1", "0", "cgroup.events", "frozen 1"),
+            ("freezer.state", "FROZEN", "THAWED", "freezer.state", "FROZEN"))
 
 
 def _own_path(controller: str) -> str:
@@ -47,7 +54,8 @@ def _bases() -> tuple[tuple[Path, ...], str | None]:
                 (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
             return (base,), None
         if all((CGROUP_FS / c / "cgroup.procs").exists() for c in V1_CONTROLLERS):
-            return tuple(CGROUP_FS / c / _own_path(c) for c in V1_CONTROLLERS), None
+            freezer = (V1_FREEZER,) if (CGROUP_FS / V1_FREEZER / "cgroup.procs").exists() else ()
+            return tuple(CGROUP_FS / c / _own_path(c) for c in (*V1_CONTROLLERS, *freezer)), None
     except OSError as e:
         return (), f"the runner's cgroup cannot hand controllers to sandboxes ({e.strerror or e})"
     return (), "no cgroup v2 with memory and pids, nor cgroup v1 memory, pids and cpu controllers"
@@ -77,14 +85,58 @@ class Group:
                     return int(match.group(1)) if match else 0
         return 0
 
+    def pids(self) -> set[int]:
+        """The processes in the group now (a killed one leaves it as it dies, before it is reaped)."""
+        found: set[int] = set()
+        for d in self.dirs:
+            try:
+                found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+            except FileNotFoundError:
+                pass
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL every process in the group and return once it is empty; OSError if it is not within
+        KILL_DEADLINE. v2's cgroup.kill does it in the kernel; else the group is frozen while it is
+        listed and signalled, so no process can fork a new one in between."""
+        deadline = time.monotonic() + KILL_DEADLINE
+        while pids := self.pids():
+            if time.monotonic() > deadline:
+                raise OSError(f"{len(pids)} process(es) of the sandbox were still alive {KILL_DEADLINE:g} s after "
+                              "SIGKILL")
+            if (self.dirs[0] / "cgroup.kill").exists():
+                (self.dirs[0] / "cgroup.kill").write_text("1")
+            else:
+                self._frozen_kill(deadline)
+            time.sleep(0.005)
+
+    def _frozen_kill(self, deadline: float) -> None:
+        """Freeze (where a freezer is there), SIGKILL all, thaw: a frozen process dies once thawed."""
+        for d in self.dirs:
+            for state, freeze, thaw, events, frozen in FREEZERS:
+                if (d / state).exists():
+                    (d / state).write_text(freeze)
+                    while frozen not in (d / events).read_text().splitlines() and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    try:
+                        kill_pids(sorted(self.pids()))
+                    finally:
+                        (d / state).write_text(thaw)
+                    return
+        kill_pids(sorted(self.pids()))
+
     def remove(self) -> None:
-        """Kill whatever still runs in it, then remove it."""
+        """Kill whatever still runs in it (one a killed runner left frozen included), then remove it."""
+        try:
+            self.kill()
+        except OSError:  # _remove goes on trying until its own deadline
+            pass
         _remove(self.dirs)
 
 
 def create(run_id: str, label: str, key: str, memory_bytes: int, max_processes: int) -> Group:
     """The sandbox's cgroup with its limits; OSError if it cannot be made."""
-    dirs = tuple(base / f"trajgen-{run_id or '-'}.{label}" / key for base in _bases()[0])
+    dirs = tuple(base / _session(run_id, label) / key for base in _bases()[0])
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         if (d / "memory.max").exists():
@@ -101,10 +153,16 @@ def create(run_id: str, label: str, key: str, memory_bytes: int, max_processes: 
 def remove(run_id: str = "*", label: str = "*") -> None:
     """Remove every group of a session (`label`: after a worker crash, or at its end) or of a run
     (`run_id`: what earlier invocations left); safe to repeat."""
-    for base in _bases()[0]:
-        for run in base.glob(f"trajgen-{run_id}.{label}"):
-            if run.is_dir():
-                _remove((*(p for p in run.iterdir() if p.is_dir()), run))
+    bases = _bases()[0]
+    for name in {run.name for base in bases for run in base.glob(_session(run_id, label)) if run.is_dir()}:
+        keys = {p.name for base in bases if (base / name).is_dir() for p in (base / name).iterdir() if p.is_dir()}
+        for key in keys:  # each group across its hierarchies, so that it is killed frozen
+            Group(tuple(base / name / key for base in bases)).remove()
+        _remove(tuple(base / name for base in bases))
+
+
+def _session(run_id: str, label: str) -> str:
+    return f"trajgen-{run_id or '-'}.{label}"
 
 
 def _remove(dirs: tuple[Path, ...]) -> None:

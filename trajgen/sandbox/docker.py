@@ -211,8 +211,10 @@ class DockerSandbox:
             raise SandboxError(f"cannot write {path}: {last_line(errors.text())}")
 
     async def end_processes(self) -> None:
-        if self._loop is not None:
-            await self._loop.stop()
+        """Every process of the commands' user, MCP servers (`docker exec`s of that user) included,
+        whether or not the command loop runs now; the loop's connection is closed."""
+        if self._loop is not None and self._loop.running:
+            await self._loop.stop()  # which kills them all
         elif self._id is not None:
             await self._kill_all(self._id)
 

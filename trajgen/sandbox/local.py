@@ -238,7 +238,14 @@ class LocalSandbox:
         await asyncio.to_thread(self.files.write, path, data)
 
     async def end_processes(self) -> None:
-        if self._supervisor:  # the whole PID namespace, its loop included; the next command starts a new one
+        """The cgroup holds every process of the sandbox: the command loop's PID namespace, and each
+        MCP server's (a bubblewrap of its own) with whatever it started. Without one, only the loop's."""
+        if self._group:
+            try:
+                await asyncio.to_thread(self._group.kill)
+            except OSError as e:
+                raise SandboxError(f"cannot end the processes of the sandbox: {e}") from e
+        if self._supervisor:  # the loop's bwrap is reaped; the next command starts a new one
             await self._supervisor.stop()
 
     async def close(self) -> None:

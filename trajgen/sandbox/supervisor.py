@@ -138,6 +138,11 @@ class Supervisor:
         finally:
             capture.add(held)  # the output's last bytes, when it ends in a timeout or a loss
 
+    @property
+    def running(self) -> bool:
+        """Whether a loop was started and not stopped since."""
+        return self._channel is not None
+
     async def stop(self) -> None:
         """End the loop and every process of the sandbox."""
         channel, self._channel = self._channel, None

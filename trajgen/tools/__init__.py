@@ -24,6 +24,8 @@ class ToolSettings:
     image_model: str = ""  # image_generate through the endpoint's images API; "" means FAL (FAL_KEY)
     browser_executable: str = ""  # chromium for the browser tools; "" means $CHROMIUM_PATH, else `chromium` on PATH
     allow_private_urls: bool = False  # web_extract and the browser may reach loopback/private addresses
+    browser_memory_mb: int = 4096  # the memory cgroup of a worker's browser (--sandbox_memory), when run as root
+    run_id: str = ""  # the run directory's id, on the browser's cgroup so the run's end or next invocation removes it
     tool_timeout: float = 60.0  # seconds an MCP tool call may take, its server's start included
 
 

@@ -15,7 +15,9 @@ is off and Chromium connects as it is told.
 Playwright's own browser download is not used: the binary is the system's chromium (Debian's
 package; `browser_executable`, else $CHROMIUM_PATH, else `chromium` on PATH). A root runner starts it
 in a bubblewrap sandbox as an unprivileged uid (_User), so Chromium's own sandbox stays on for
-untrusted pages and nothing root later runs or deletes is writable by that uid. Its environment is
+untrusted pages and nothing root later runs or deletes is writable by that uid, and in a memory
+cgroup of its own of --sandbox_memory MB (its pages share it; the kernel kills the largest, a page's
+renderer, past it, and the call fails saying so). Its environment is
 BROWSER_ENV, never the runner's (API keys). Playwright launches it with a fresh temporary profile
 and with background networking, component updates, sync and first-run turned off; CHROMIUM_ARGS
 closes the remaining paths to outside services, and $TRAJGEN_CHROMIUM_ARGS adds switches of your
@@ -34,12 +36,13 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from trajgen import locks
-from trajgen.sandbox import roots
+from trajgen.sandbox import cgroups, roots
 from trajgen.sandbox.local import NEW_PRIVILEGES_OFF, bwrap_system_binds
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Guard, check_url
 
 BROWSER_TMP_MB = 1024  # the browser's /tmp: its profile, cache and shared memory files
+BROWSER_TASKS = 4096  # the processes and threads of a worker's Chromium (a page's renderer has dozens of threads)
 MAX_SNAPSHOT_CHARS = 30_000
 MAX_ERROR_CHARS = 500
 NAVIGATION_TIMEOUT_MS = 30_000
@@ -86,11 +89,16 @@ class _User:
     """Who Chromium runs as when the runner is root: a uid of the sandbox range, held while the
     worker lives. `launcher`, which root runs, is root's own file in a sandbox root of its own
     (roots.new_root_dir: under root's private directory, swept by a later run if this worker is
-    killed); it starts Chromium in a bubblewrap sandbox of its own (system dirs
-    read-only, a private /tmp holding the profile and HOME, its own PID and IPC namespaces) and
-    drops to the uid there, so Chromium's own sandbox can stay on."""
+    killed); it moves itself into the browser's cgroup (`trajgen-<run id>.browser-<pid>/chromium`,
+    removed by the run's end or its next invocation if this worker does not), starts Chromium in a
+    bubblewrap sandbox of its own (system dirs read-only, a private /tmp holding the profile and
+    HOME, its own PID and IPC namespaces) and drops to the uid there, so Chromium's own sandbox can
+    stay on."""
 
-    def __init__(self, chromium: str) -> None:
+    def __init__(self, chromium: str, settings: ToolSettings) -> None:
+        self.run_id, self.label = settings.run_id, f"{cgroups.BROWSER}-{os.getpid()}"
+        self.group = None if cgroups.problem() else cgroups.create(
+            self.run_id, self.label, "chromium", settings.browser_memory_mb << 20, BROWSER_TASKS)
         self.uid, self._lock = roots.take_uid()
         self.root = roots.new_root_dir()
         self.launcher = os.path.join(self.root, "chromium")
@@ -100,9 +108,15 @@ class _User:
         as_uid = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *NEW_PRIVILEGES_OFF]
         fd = os.open(self.launcher, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o700)
         with os.fdopen(fd, "w") as f:
-            f.write(LAUNCHER.format(bwrap=shlex.join(["bwrap", *sandbox]), chromium=shlex.join([*as_uid, chromium])))
+            f.write(LAUNCHER.format(procs=shlex.join(self.group.procs_files if self.group else []),
+                                    bwrap=shlex.join(["bwrap", *sandbox]), chromium=shlex.join([*as_uid, chromium])))
+
+    def oom_kills(self) -> int:
+        return self.group.oom_kills() if self.group else 0
 
     def close(self) -> None:
+        if self.group:
+            cgroups.remove(self.run_id, self.label)
         roots.remove_root(self.root)
         roots.release_root(self.root)
         locks.release(self._lock)
@@ -110,6 +124,7 @@ class _User:
 
 # Playwright names a profile in the runner's TMPDIR: its directory is made in the sandbox, where it stays
 LAUNCHER = """#!/bin/sh
+for procs in {procs}; do echo $$ > "$procs" || exit 126; done
 dir=/tmp
 for arg; do case "$arg" in --user-data-dir=*) dir=$(dirname -- "${{arg#--user-data-dir=}}");; esac; done
 exec {bwrap} --perms 1777 --dir "$dir" -- {chromium} "$@"
@@ -152,7 +167,7 @@ async def _browser(settings: ToolSettings) -> Any:
             if shared.playwright is None:
                 shared.playwright = await async_playwright().start()
             if os.geteuid() == 0 and shared.user is None:  # Chromium's sandbox refuses to run as root
-                shared.user = _User(executable(settings))
+                shared.user = _User(executable(settings), settings)
             shared.browser = await shared.playwright.chromium.launch(
                 executable_path=shared.user.launcher if shared.user else executable(settings), headless=True,
                 env=browser_env("/tmp" if shared.user else os.path.expanduser("~")),
@@ -215,6 +230,7 @@ async def _act(ctx: ToolContext, action: Callable[[Any], Awaitable[dict | None]]
 
     guard = _guard(ctx)
     seen = len(guard.refused) if guard else 0
+    kills = _oom_kills()
     try:
         extra = await action(await _page(ctx)) or {}
         page = await _page(ctx)
@@ -223,11 +239,33 @@ async def _act(ctx: ToolContext, action: Callable[[Any], Awaitable[dict | None]]
     except Refused as e:
         return _fail(str(e))
     except PlaywrightError as e:
+        if _oom_kills() > kills and "crashed" in e.message:  # its tab goes: the next call opens a new one
+            await _close_crashed(ctx)
+            return _fail(f"the page went past the browser's memory limit ({ctx.settings.browser_memory_mb} MB) "
+                         "and the kernel killed it; its tab is closed")
         result = _fail(e.message.split("\nCall log:")[0].strip()[:MAX_ERROR_CHARS])  # Playwright's log is noise here
     refused = list(dict.fromkeys(guard.refused[seen:])) if guard else []
     if refused and (not result["success"] or result["url"].startswith("chrome-error:")):
         return _fail("; ".join(refused) + (f" ({result['error']})" if result["error"] else ""))
     return {**result, "blocked": refused} if refused else result
+
+
+def _oom_kills() -> int:
+    """The processes of this worker's browser the kernel killed for its memory limit so far."""
+    return _shared.user.oom_kills() if _shared and _shared.user else 0
+
+
+async def _close_crashed(ctx: ToolContext) -> None:
+    """Close the prompt's tab that crashed, the newest one, on which the action ran."""
+    from playwright.async_api import Error as PlaywrightError
+
+    context = ctx.state.get(CONTEXT_KEY)
+    pages = [p for p in context.pages if not p.is_closed()] if context else []
+    if pages:
+        try:
+            await pages[-1].close()
+        except PlaywrightError:
+            pass
 
 
 def _number(tree: str) -> tuple[str, dict[str, str]]:
