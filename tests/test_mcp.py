@@ -288,7 +288,7 @@ def test_a_config_env_value_reaches_the_server_on_no_command_line(sandbox_config
     ('{"mcpServers": {"a b": {"command": "x"}}}', "letters, digits"),
     ('{"mcpServers": {"git": {"command": "x", "url": "http://127.0.0.1:1/mcp"}}}', 'exactly one of'),
     ('{"mcpServers": {"git": {"command": "x", "args": "-m"}}}', '"args"'),
-    ('{"mcpServers": {"git": {"command": "x", "cwd": "/"}}}', "unknown key"),
+    ('{"mcpServers": {"git": {"command": "x", "cwd": 1}}}', '"cwd" must be'),
     ('{"mcpServers": {"git": {"command": "x", "headers": {}}}}', '"headers" go with "url"'),
     ('{"mcpServers": {"docs": {"url": "ftp://x"}}}', "http"),
     ('{"mcpServers": {"docs": {"url": "http://127.0.0.1:1/mcp", "headers": {"X-Key": 1}}}}', "names to strings"),
