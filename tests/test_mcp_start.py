@@ -25,6 +25,7 @@ from trajgen.sandbox import SandboxError, visible
 from trajgen.tools import mcp_config
 
 PLAIN = Path(__file__).parent / "standins" / "mcp_plain_server.py"
+PLAIN_JS = Path(__file__).parent / "standins" / "mcp_plain_server.js"
 
 
 @pytest.fixture
@@ -125,6 +126,23 @@ def test_a_uvx_server_runs_from_its_cache_with_the_network_off(sandbox_config, h
     answer = where(sandbox_config, plain={"command": "uvx", "args": args})
     assert answer["prefix"].startswith(f"{cache}/") and answer["cwd"] == "/workspace"
     assert files() == before  # read-only: the sandbox wrote nothing of the host's
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="Node.js is not installed (npm)")
+def test_an_npm_package_runs_by_its_script(sandbox_config, home, tmp_path):
+    """What docs/mcp.md says to do for an npx server when the sandbox has no network (npx writes its cache)."""
+    package = tmp_path / "package"
+    package.mkdir()
+    (package / "package.json").write_text(json.dumps({"name": "plain-mcp-node", "version": "1.0.0",
+                                                      "bin": {"plain-mcp-node": "server.js"}}))
+    shutil.copy(PLAIN_JS, package / "server.js")
+    subprocess.run(["npm", "pack", "--pack-destination", str(tmp_path)], cwd=package, check=True,
+                   capture_output=True, timeout=120)
+    subprocess.run(["npm", "install", "--offline", "--prefix", str(home / "mcp"),
+                    str(tmp_path / "plain-mcp-node-1.0.0.tgz")], check=True, capture_output=True, timeout=120)
+    script = home / "mcp" / "node_modules" / "plain-mcp-node" / "server.js"
+    answer = where(sandbox_config, plain={"command": "node", "args": [str(script)]})
+    assert answer == {"executable": str(script), "prefix": str(script.parent), "cwd": "/workspace"}
 
 
 @pytest.mark.parametrize("server, message", [

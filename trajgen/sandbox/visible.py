@@ -2,11 +2,11 @@
 
 The local sandbox shows only the system dirs, so a server in a venv under /tmp or a home directory,
 the Python that venv was made from, a `server.py` of the user's own given in `args`, the config's
-`cwd`, and the caches `uvx` and `npx` run from would all be missing (a path under /tmp is hidden by
-the sandbox's own /tmp). Each is bound read-only after that /tmp. A cache's root is a writable
-tmpfs (uv and npm write their locks and logs there) over its entries bound read-only: nothing of
-the host is ever written. Only what the config names: never `/` or a home directory whole, never a
-secret dir (~/.ssh...), never the run directory or the sandbox root (hidden again inside a bound dir).
+`cwd`, and the cache `uvx` runs from would all be missing (a path under /tmp is hidden by the
+sandbox's own /tmp). Each is bound read-only after that /tmp. uv's dirs are writable tmpfs roots
+(uv writes its locks there) over their entries bound read-only: nothing of the host is written.
+Only what the config names: never `/` or a home directory whole, never a secret dir (~/.ssh...),
+never the run directory or the sandbox root (hidden again inside a bound dir).
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".config/gclo
            ".local/share/keyrings", ".netrc", ".git-credentials", ".pypirc", ".npmrc")  # under a home directory
 BROAD = ("/", "/home", "/root", "/tmp", "/var", "/run", "/srv", "/mnt", "/media", "/opt")  # never shown whole
 UV = ("uv", "uvx")
-NPM = ("npx", "npm")
-HOST_ASKED = 30  # seconds `uv`, `npm` or `pyenv` may take to say where their files are
+HOST_ASKED = 30  # seconds `uv` or `pyenv` may take to say where their files are
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Visible:
     argv: tuple[str, ...]  # the command as found on the host's PATH; a relative file in args made absolute
     env: tuple[tuple[str, str], ...]  # where the caches are; offline without the network
     binds: tuple[str, ...]  # host paths shown read-only at their own path, in this order
-    scratch: tuple[str, ...]  # cache roots: a writable tmpfs each, under their entries' binds
+    scratch: tuple[str, ...]  # uv's dirs: a writable tmpfs each, under their entries' binds
     masks: tuple[str, ...]  # inside a bound dir, hidden again: the run directory, the sandbox root, secrets
     cwd: str | None  # the config's cwd: the server's working directory instead of the work dir
 
@@ -74,15 +73,10 @@ def plan(command: str, args: tuple[str, ...], cwd: str | None, network: bool, hi
     scratch: list[str] = []
     binds = [p for e in (executable, *_interpreters(executable)) for p in _installation(e, home)]
     name = posixpath.basename(executable)
-    if name in UV:
+    if name in UV and not network:  # with the network, uv fills a cache of the work dir's, as on a new machine
         roots, uv_env = _uv_places(executable)
-        scratch, env = list(roots), {**env, **uv_env, **({} if network else {"UV_OFFLINE": "1"})}
+        scratch, env = list(roots), {**env, **uv_env, "UV_OFFLINE": "1"}
         binds += _installation(uv_env["UV_PYTHON"], home) if "UV_PYTHON" in uv_env else []
-    elif name in NPM:
-        cache = _npm_cache(executable)
-        scratch, env = [cache] if cache else [], {**env, **({"npm_config_cache": cache} if cache else {}),
-                                                  "npm_config_update_notifier": "false",
-                                                  **({} if network else {"npm_config_offline": "true"})}
     for path in (*named, *binds):
         _check(path, home, secrets, hidden)
     shown = _without_nested([p for p in (*binds, *named) if not under(p, SYSTEM)])
@@ -106,8 +100,9 @@ def _find(command: str, cwd: str | None) -> str:
         raise SandboxError(f'"command" {command} is not on the PATH ({os.environ.get("PATH", "")}){hint}; '
                            "install it, or give its absolute path")
     shims = posixpath.dirname(found)
-    if posixpath.basename(shims) == "shims" and os.path.isfile(pyenv := posixpath.join(shims, "..", "libexec", "pyenv")):
-        return _ask([os.path.normpath(pyenv), "which", command]) or found
+    pyenv = posixpath.join(posixpath.dirname(shims), "libexec", "pyenv")
+    if posixpath.basename(shims) == "shims" and os.path.isfile(pyenv):
+        return _ask([pyenv, "which", command]) or found
     return os.path.abspath(found)
 
 
@@ -201,7 +196,7 @@ def _entries(roots: list[str]) -> list[str]:
     """A cache root's entries, each to be bound read-only inside its writable tmpfs (uv's interpreter
     records are not: uv rewrites them for the sandbox's view of the interpreters)."""
     return [posixpath.join(root, e) for root in roots for e in sorted(os.listdir(root))
-            if not e.startswith(("interpreter-v", "sdists-v", ".lock", ".tmp", "_logs"))]
+            if not e.startswith(("interpreter-v", "sdists-v", ".lock", ".tmp"))]
 
 
 @functools.cache
@@ -216,12 +211,6 @@ def _uv_places(uv: str) -> tuple[tuple[str, ...], dict[str, str]]:
     env = {k: v for k, v in places.items() if v and os.path.exists(v)}
     roots = tuple(env[k] for k in ("UV_CACHE_DIR", "UV_TOOL_DIR", "UV_PYTHON_INSTALL_DIR") if k in env)
     return roots, {**env, "UV_PYTHON_DOWNLOADS": "never"}
-
-
-@functools.cache
-def _npm_cache(npx: str) -> str | None:
-    cache = _ask([posixpath.join(posixpath.dirname(npx), "npm"), "config", "get", "cache"])
-    return cache if cache and os.path.isdir(cache) else None
 
 
 def _ask(argv: list[str]) -> str | None:

@@ -180,8 +180,10 @@ def _describe(error: BaseException) -> str:
 FIXES = (  # what a server's last words usually mean, and what to do about it
     (re.compile(r"No module named '?([\w.]+)"), "install the package of {0} into the Python that \"command\" "
      "names, or name the Python (or venv) that has it"),
-    (re.compile(r"[Nn]ot found in the cache|[Nn]etwork connectivity is disabled|ENOTCACHED|offline"),
-     "run the server once on this machine to fill its cache, or pass --sandbox_network"),
+    (re.compile(r"[Nn]ot found in the cache|[Nn]etwork connectivity is disabled|ENOTCACHED|offline|EAI_AGAIN|"
+                r"ENOTFOUND|ENETUNREACH|[Nn]ame resolution"),
+     "the sandbox has no network: have the server on this machine beforehand (uvx: run it here once, which fills "
+     "uv's cache; npx: npm install it and give node its script, docs/mcp.md), or pass --sandbox_network"),
     (re.compile(r"[Rr]ead-only file system|EROFS"), "what the config names is shown read-only: let the server write in "
      "its working dir or /tmp"),
     (re.compile(r"No such file or directory|can't open file|ENOENT|not found"),

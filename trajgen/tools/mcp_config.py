@@ -21,7 +21,7 @@ KEYS = {"command", "args", "env", "cwd", "url", "type", "headers"}
 OAUTH_KEYS = {"auth", "oauth"}  # Cursor's and others' OAuth settings: a sign-in in a browser
 ENV_REFERENCE = re.compile(r"\$\{env:([^}]*)\}")  # VS Code's and Cursor's ${env:NAME}
 TYPES = {"command": ("stdio",), "url": ("http", "streamable-http", "streamableHttp", "sse")}
-CONTAINERS = ("docker", "podman", "nerdctl")  # `docker run -i IMAGE`: a container per server, which no sandbox can start
+CONTAINERS = ("docker", "podman", "nerdctl")  # `docker run -i IMAGE`: a container of its own, which no sandbox starts
 
 
 @dataclass(frozen=True)
