@@ -82,6 +82,10 @@ def test_only_what_the_config_names_is_shown(home, tmp_path):
     shown = visible.plan("python3", ("server.py",), str(home / "project"), False, (str(run_dir),))
     assert str(home / "project") in shown.binds and str(run_dir) in shown.masks
     assert not any(str(home) == b or str(home / ".ssh") == b for b in shown.binds)
+    assert shown.argv[1] == "server.py" and shown.cwd == str(home / "project")
+    tilde = visible.plan("python3", ("--script=~/project/server.py",), None, False, ())
+    assert tilde.argv[1] == f"--script={home / 'project' / 'server.py'}"
+    assert str(home / "project" / "server.py") in tilde.binds
     for args, cwd, why in [((str(home / ".ssh" / "id_ed25519"),), None, "holds secrets"),
                            ((str(home),), None, "the whole of"),
                            ((), "/", "the whole of"),

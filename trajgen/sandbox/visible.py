@@ -66,8 +66,8 @@ def plan(command: str, args: tuple[str, ...], cwd: str | None, network: bool, hi
         path = _named_path(value, cwd)
         if path is not None:
             named.append(path)
-            if not os.path.isabs(value) and cwd is None:  # relative to the runner's directory, not the work dir
-                arg = f"{option}{eq}{path}"
+            if value.startswith("~") or (not os.path.isabs(value) and cwd is None):  # no shell expands it there,
+                arg = f"{option}{eq}{path}"  # and the server works in the work dir, not the runner's directory
         argv.append(arg)
     env: dict[str, str] = {}
     scratch: list[str] = []
