@@ -70,16 +70,16 @@ def under(path: str, dirs: tuple[str, ...]) -> bool:
 
 
 def bwrap_system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python and its venv."""
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
-    for prefix in dict.fromkeys((sys.base_prefix, sys.prefix)):  # a venv's packages too (MCP servers beside the runner)
-        if not under(prefix, SYSTEM_DIRS):
-            args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
+    prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
+    if not under(prefix, SYSTEM_DIRS):
+        args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
     return args
 
 

@@ -102,8 +102,14 @@ def _find(command: str, cwd: str | None) -> str:
     shims = posixpath.dirname(found)
     pyenv = posixpath.join(posixpath.dirname(shims), "libexec", "pyenv")
     if posixpath.basename(shims) == "shims" and os.path.isfile(pyenv):
-        return _ask([pyenv, "which", command]) or found
+        return _pyenv_which(pyenv, command) or found
     return os.path.abspath(found)
+
+
+@functools.cache
+def _pyenv_which(pyenv: str, command: str) -> str | None:
+    """What a pyenv shim runs (asked once per worker: a server starts in every prompt)."""
+    return _ask([pyenv, "which", command])
 
 
 def _named_path(value: str, cwd: str | None) -> str | None:
