@@ -93,7 +93,7 @@ async def _gather(*coroutines):
 def test_home_repo_and_test_files_are_invisible(config, tmp_path):
     (tmp_path / "test-secret.txt").write_text("hidden")
     home = os.path.expanduser("~")
-    runner = [Path(p) for p in (sys.prefix, sys.base_prefix)]  # read-only in every sandbox, by design (docs/mcp.md)
+    runner = [Path(sys.base_prefix)]  # the running Python: read-only in every sandbox, on the commands' PATH
     entries = [e for e in os.listdir(home) if not any(r.is_relative_to(Path(home, e)) for r in runner)]
     sandbox = open_sandbox(config, "p1", None, None)
     probes = [str(tmp_path / "test-secret.txt"), os.getcwd(), *(f"{home}/{e}" for e in entries)]

@@ -176,7 +176,7 @@ class RunOptions:
         return SandboxConfig(
             backend=self.backend, command_timeout=float(self.command_timeout), docker_image=self.docker_image,
             network=self.sandbox_network, keep=self.keep_sandboxes, unsafe_local=self.unsafe_local,
-            root_dir=new_root_dir(), label=uuid.uuid4().hex[:12], run_id=self.run_id, memory_mb=self.sandbox_memory,
+            root_dir=new_root_dir(), run_dir=str(Path(self.output_dir, self.run_name).absolute()), label=uuid.uuid4().hex[:12], run_id=self.run_id, memory_mb=self.sandbox_memory,
             disk_mb=self.sandbox_disk, docker_root=self.docker_root, sif_cache=self.apptainer_cache_dir or "",
             modal_app=self.modal_app, modal_timeout=self.modal_timeout, slots=self.concurrency)
 

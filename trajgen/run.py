@@ -150,7 +150,7 @@ def prepare(opts: RunOptions) -> Prepared:
     check_options(opts)
     servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
     if servers and importlib.util.find_spec("mcp") is None:
-        raise UsageError("--mcp_config needs the MCP SDK: pip install 'trajgen-batch-runner[mcp]'")
+        raise UsageError("--mcp_config needs the MCP SDK: pip install -e '.[mcp]' in the clone")
     try:
         distribution = resolve_distribution(opts.distribution, as_list(opts.toolsets),
                                             (*TOOLSETS, *(s.name for s in servers)))

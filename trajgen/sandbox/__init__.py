@@ -43,6 +43,7 @@ class SandboxConfig:
     keep: bool = False  # leave work dirs and containers behind for debugging
     unsafe_local: bool = False  # without bubblewrap, run commands unisolated instead of failing
     root_dir: str = ""  # the run's sandbox root (roots.new_root_dir); required to open a local sandbox
+    run_dir: str = ""  # the run directory: never shown in a sandbox, even inside a dir an MCP config names
     label: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # session id on every container and cgroup
     run_id: str = ""  # the run directory's id on every container, so a later invocation can reap what a killed one left
     cpu_seconds: int = 600  # per process

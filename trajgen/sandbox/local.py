@@ -25,13 +25,16 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from trajgen import locks
 from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
 from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, process_channel
+
+if TYPE_CHECKING:
+    from trajgen.sandbox.visible import Visible
 
 NOBODY = 65534
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -62,29 +65,32 @@ def prlimit_argv(config: SandboxConfig) -> list[str]:
             f"--nofile={shares.open_files(config.slots, config.max_processes)}", "--"]
 
 
-def _under(path: str, dirs: tuple[str, ...]) -> bool:
+def under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
 def bwrap_system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python and its venv."""
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             args += ["--ro-bind", d, d]
-    for prefix in dict.fromkeys((sys.base_prefix, sys.prefix)):  # a venv's packages too (MCP servers beside the runner)
-        if _under(prefix, SYSTEM_DIRS):
-            continue
-        parents = []  # e.g. /root is 0700 on the host: the sandbox's uid must be able to pass through
-        parent = posixpath.dirname(prefix)
-        while parent != "/":
-            parents.insert(0, parent)
-            parent = posixpath.dirname(parent)
-        for parent in parents:
-            args += ["--perms", "0755", "--dir", parent]
-        args += ["--ro-bind", prefix, prefix]
+    prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
+    if not under(prefix, SYSTEM_DIRS):
+        args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
+    return args
+
+
+def passable_parents(path: str, skip: tuple[str, ...] = SYSTEM_DIRS) -> list[str]:
+    """bwrap options making each parent of `path` but those under `skip` a passable dir: e.g. /root is
+    0700 on the host, and the sandbox's uid must be able to pass through."""
+    args: list[str] = []
+    parent = posixpath.dirname(path)
+    while parent != "/" and not under(parent, skip):
+        args[:0] = ["--perms", "0755", "--dir", parent]
+        parent = posixpath.dirname(parent)
     return args
 
 
@@ -111,17 +117,19 @@ def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
 
 
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
-                  pts: str | None = None, loop: bool = True,
-                  env: dict[str, str] | None = None) -> tuple[list[str], list[str]]:
+                  pts: str | None = None, loop: bool = True, env: dict[str, str] | None = None,
+                  shown: Visible | None = None) -> tuple[list[str], list[str]]:
     """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
     the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's;
-    `env`: the command's whole environment instead of bwrap's own."""
+    `env`: the command's whole environment instead of bwrap's own; `shown`: what an MCP server's
+    config names, after the sandbox's /tmp (which would hide what is under /tmp), and its cwd."""
     identity, as_uid = _identity(uid, loop)
     setenv = [] if env is None else ["--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v))]
     options = [
         *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+        *(shown.bwrap_args() if shown else []),
         "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
-        "--bind", host_dir, cwd, "--chdir", cwd,
+        "--bind", host_dir, cwd, "--chdir", shown.cwd if shown and shown.cwd else cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
         "--die-with-parent", "--new-session", "--seccomp", str(seccomp_fd), *setenv,
@@ -130,11 +138,11 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
 
 
 def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str],
-               pts: str | None = None, loop: bool = True,
-               env: dict[str, str] | None = None) -> tuple[list[str], list[int]]:
+               pts: str | None = None, loop: bool = True, env: dict[str, str] | None = None,
+               shown: Visible | None = None) -> tuple[list[str], list[int]]:
     """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
     seccomp_fd = seccomp.memfd(seccomp.program(network), "trajgen-seccomp")
-    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop, env)
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop, env, shown)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
@@ -211,16 +219,17 @@ class LocalSandbox:
                             "included); the kernel killed a process of the command")
         return result
 
-    def process_argv(self, command: list[str], env: dict[str, str]) -> tuple[list[str], list[int]]:
+    def process_argv(self, command: list[str], env: dict[str, str],
+                     shown: Visible | None = None) -> tuple[list[str], list[int]]:
         """The argv that runs `command` as a long-lived process of this sandbox (same uid, seccomp
-        filter, cgroup, network and limits as its commands, in its work dir), and the fds it must
-        inherit; unisolated (--unsafe_local), a plain limited process. Started with `env` as its
-        environment, `command` gets exactly `env` (bwrap sets it from its options' memfd): no value
-        is on a command line, which every local user may read."""
+        filter, cgroup, network and limits as its commands, in its work dir or `shown.cwd`, with
+        `shown`'s paths visible read-only), and the fds it must inherit; unisolated (--unsafe_local),
+        a plain limited process. Started with `env` as its environment, `command` gets exactly `env`
+        (bwrap sets it from its options' memfd): no value is on a command line, which every local user may read."""
         if not self.isolated:
             return [*prlimit_argv(self.config), *command], []
         argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
-                               [*prlimit_argv(self.config), *command], self._pts, loop=False, env=env)
+                               [*prlimit_argv(self.config), *command], self._pts, loop=False, env=env, shown=shown)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return argv, fds
@@ -272,7 +281,7 @@ def _mount_point(cwd: str | None) -> str:
     if cwd is None:
         return DEFAULT_CWD
     point = "/" + posixpath.normpath(cwd).lstrip("/")
-    if not posixpath.isabs(cwd) or point == "/" or _under(point, (*SYSTEM_DIRS, "/dev", "/proc", sys.base_prefix)):
+    if not posixpath.isabs(cwd) or point == "/" or under(point, (*SYSTEM_DIRS, "/dev", "/proc", sys.base_prefix)):
         raise SandboxError(f"cwd {cwd!r} cannot hold the work dir: give an absolute path outside system dirs")
     return point
 

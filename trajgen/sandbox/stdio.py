@@ -9,14 +9,16 @@ environment never appears on a command line.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import posixpath
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 
-from trajgen.sandbox import Sandbox, SandboxError, apptainer
+from trajgen.sandbox import Sandbox, SandboxError, apptainer, visible
 from trajgen.sandbox.docker import DockerSandbox
 from trajgen.sandbox.docker_client import STDOUT, Exec
 from trajgen.sandbox.local import LocalSandbox, sandbox_env
@@ -63,29 +65,36 @@ class Launch:
 
 
 @asynccontextmanager
-async def pipes(sandbox: Sandbox, command: list[str], env: dict[str, str], stderr: Tail) -> AsyncIterator[Pipes]:
+async def pipes(sandbox: Sandbox, command: list[str], env: dict[str, str], stderr: Tail,
+                cwd: str | None = None) -> AsyncIterator[Pipes]:
     """`command` running in `sandbox` with `env` over the sandbox's own environment, its stderr
-    going to `stderr`. At the exit its stdin closes: a process started here that has not ended
-    GRACE seconds later is killed; one inside a container ends then, or with its sandbox."""
+    going to `stderr`; in a local sandbox, with what it names visible (visible.py) and in `cwd` if
+    given. At the exit its stdin closes: a process started here that has not ended GRACE seconds
+    later is killed; one inside a container ends then, or with its sandbox."""
     if isinstance(sandbox, DockerSandbox):
         opened = _exec(await sandbox.start_process(command, env), stderr)
     elif isinstance(sandbox, ModalSandbox):
         opened = _modal(await sandbox.start_process(command, env), stderr)
     else:
-        opened = _process(await _launch(sandbox, command, env), stderr)
+        opened = _process(await _launch(sandbox, command, env, cwd), stderr)
     async with opened as streams:
         yield streams
 
 
-async def _launch(sandbox: Sandbox, command: list[str], env: dict[str, str]) -> Launch:
-    """How to start `command` on this machine; SandboxError for a backend that runs no process here."""
+async def _launch(sandbox: Sandbox, command: list[str], env: dict[str, str], cwd: str | None) -> Launch:
+    """How to start `command` on this machine; SandboxError for a backend that runs no process here,
+    or for a command a local sandbox cannot show (not on the PATH, a secret...)."""
     if isinstance(sandbox, apptainer.ApptainerSandbox):
         return Launch(await sandbox.process_argv(command), apptainer.runtime_env(env), None)
     if not isinstance(sandbox, LocalSandbox):
         raise SandboxError(f"the {type(sandbox).__name__} backend runs no process on this machine")
-    env = {**sandbox_env(sandbox.cwd), **env}
-    argv, fds = sandbox.process_argv(command, env)
-    return Launch(argv, env, sandbox.host_dir, tuple(fds))
+    config = sandbox.config
+    shown = await asyncio.to_thread(visible.plan, command[0], tuple(command[1:]), cwd, config.network,
+                                    (config.root_dir, config.run_dir))
+    base = sandbox_env(sandbox.cwd)
+    env = {**base, **dict(shown.env), "PATH": f"{posixpath.dirname(shown.argv[0])}:{base['PATH']}", **env}
+    argv, fds = sandbox.process_argv(list(shown.argv), env, shown)
+    return Launch(argv, env, shown.cwd if shown.cwd and not sandbox.isolated else sandbox.host_dir, tuple(fds))
 
 
 @asynccontextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import AsyncIterator, Callable
@@ -171,7 +172,32 @@ def _describe(error: BaseException) -> str:
         hint = '; pass its token through "headers" (an OAuth sign-in cannot run in a batch)' if status in (401, 403) else ""
         return f"HTTP {status} {error.response.reason_phrase} from {error.request.url}{hint}"
     text = " ".join(str(error).split())
+    if isinstance(error, SandboxError) and text:  # ours, already a sentence
+        return text
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+FIXES = (  # what a server's last words usually mean, and what to do about it
+    (re.compile(r"No module named '?([\w.]+)"), "install the package of {0} into the Python that \"command\" "
+     "names, or name the Python (or venv) that has it"),
+    (re.compile(r"[Nn]ot found in the cache|[Nn]etwork connectivity is disabled|ENOTCACHED|offline|EAI_AGAIN|"
+                r"ENOTFOUND|ENETUNREACH|[Nn]ame resolution"),
+     "the sandbox has no network: have the server on this machine beforehand (uvx: run it here once, which fills "
+     "uv's cache; npx: npm install it and give node its script, docs/mcp.md), or pass --sandbox_network"),
+    (re.compile(r"[Rr]ead-only file system|EROFS"), "what the config names is shown read-only: let the server write in "
+     "its working dir or /tmp"),
+    (re.compile(r"No such file or directory|can't open file|ENOENT|not found"),
+     "check that the path exists on this machine: the sandbox shows the system dirs and, read-only, what the "
+     "config's command, args and cwd name that exists, by its absolute path"),
+)
+
+
+def _fix(text: str) -> str:
+    """`; FIX` for a start that failed in a way a config can mend, else nothing."""
+    for pattern, fix in FIXES:
+        if found := pattern.search(text):
+            return "; " + fix.format(*found.groups())
+    return ""
 
 
 @asynccontextmanager
@@ -180,7 +206,7 @@ async def _stdio(server: Server, sandbox: Sandbox, stderr: stdio.Tail) -> AsyncI
     one message per line each way, as the SDK's stdio transport frames them, none longer than MESSAGE_CAP."""
     from_server, read = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write, to_server = anyio.create_memory_object_stream[SessionMessage](0)
-    async with stdio.pipes(sandbox, [server.command, *server.args], dict(server.env), stderr) as pipes:
+    async with stdio.pipes(sandbox, [server.command, *server.args], dict(server.env), stderr, server.cwd) as pipes:
 
         async def receive() -> None:
             lines = _Lines()
@@ -325,7 +351,8 @@ async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allo
                 break
             except _Fault as e:
                 if attempt is attempts[-1]:
-                    raise ServerFailed(f"MCP server {server.name} cannot start or list its tools: {e}") from None
+                    raise ServerFailed(f"MCP server {server.name} cannot start or list its tools: {e}{_fix(str(e))}") \
+                        from None
             finally:
                 await session.stop()
     finally:

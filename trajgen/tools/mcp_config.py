@@ -14,12 +14,14 @@ import orjson
 
 from trajgen.distributions import TOOLSETS
 from trajgen.errors import UsageError
+from trajgen.suggest import did_you_mean
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-KEYS = {"command", "args", "env", "url", "type", "headers"}
+KEYS = {"command", "args", "env", "cwd", "url", "type", "headers"}
 OAUTH_KEYS = {"auth", "oauth"}  # Cursor's and others' OAuth settings: a sign-in in a browser
 ENV_REFERENCE = re.compile(r"\$\{env:([^}]*)\}")  # VS Code's and Cursor's ${env:NAME}
 TYPES = {"command": ("stdio",), "url": ("http", "streamable-http", "streamableHttp", "sse")}
+CONTAINERS = ("docker", "podman", "nerdctl")  # `docker run -i IMAGE`: a container of its own, which no sandbox starts
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Server:
     command: str = ""
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None  # the server's working directory (default: the prompt's work dir)
     url: str = ""
     sse: bool = False  # the url speaks the older SSE transport (the probe found no streamable HTTP)
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent to a url server; secrets
@@ -55,13 +58,15 @@ def _server(path: str, name: str, entry: object) -> Server:
         raise UsageError(f"{where}: a name is 1-64 letters, digits, _ or -")
     if name in TOOLSETS:
         raise UsageError(f"{where} has the name of the built-in toolset {name}")
-    if not isinstance(entry, dict) or ("command" in entry) == ("url" in entry):
+    if not isinstance(entry, dict):
+        raise UsageError(f'{where}: needs an object with "command" or "url"')
+    if unknown := set(entry) - KEYS - OAUTH_KEYS:
+        raise UsageError(f"{where}: unknown key {min(unknown)!r}{did_you_mean(min(unknown), sorted(KEYS))}")
+    if ("command" in entry) == ("url" in entry):
         raise UsageError(f'{where}: needs exactly one of "command" or "url"')
     if oauth := set(entry) & OAUTH_KEYS:
         raise UsageError(f'{where}: OAuth ("{min(oauth)}") needs a sign-in in a browser, which a batch run cannot do; '
                          'pass a token through "headers" instead, e.g. {"Authorization": "Bearer ${env:TOKEN}"}')
-    if unknown := set(entry) - KEYS:
-        raise UsageError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     kind = "command" if "command" in entry else "url"
     if "type" in entry and entry["type"] not in TYPES[kind]:
         raise UsageError(f"{where}: type {entry['type']!r} does not go with {kind!r}")
@@ -72,14 +77,20 @@ def _server(path: str, name: str, entry: object) -> Server:
         return Server(name, url=url, sse=entry.get("type") == "sse", headers=_headers(where, entry.get("headers", {})))
     if "headers" in entry:
         raise UsageError(f'{where}: "headers" go with "url" (a command server gets "env")')
-    command, args, env = entry["command"], entry.get("args", []), entry.get("env", {})
+    command, args, env, cwd = entry["command"], entry.get("args", []), entry.get("env", {}), entry.get("cwd")
     if not isinstance(command, str) or not command:
         raise UsageError(f'{where}: "command" must be a non-empty string')
+    if os.path.basename(command) in CONTAINERS:
+        raise UsageError(f'{where}: "{command}" starts a container of its own, which a sandbox cannot; run the '
+                         "server's own command inside --terminal_backend=docker with --docker_image=IMAGE, "
+                         'or serve it over HTTP and give its "url" (docs/mcp.md)')
+    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+        raise UsageError(f'{where}: "cwd" must be a non-empty string')
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise UsageError(f'{where}: "args" must be a list of strings')
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise UsageError(f'{where}: "env" must map names to strings')
-    return Server(name, command, tuple(args), tuple(env.items()))
+    return Server(name, command, tuple(args), tuple(env.items()), cwd)
 
 
 def _headers(where: str, headers: object) -> tuple[tuple[str, str], ...]:
