@@ -1,9 +1,11 @@
 """A missing export, --dry_run, and the spend limits (exports: tests/test_rows_exports.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tests.conftest import read_jsonl, think, write_jsonl
+from tests.conftest import call, read_jsonl, think, write_jsonl
 
 
 def test_export_of_a_missing_run_is_a_usage_error(inline):
@@ -45,6 +47,22 @@ def test_spend_limit_stops_admitting_and_leaves_a_resumable_run(inline, scripted
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(r["prompt"] for r in server.requests()) == sorted(f"p{i}" for i in range(10))
     assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 10
+
+
+@pytest.mark.parametrize("limit", ["max_cost=0.002", "max_total_tokens=30"])
+def test_a_spend_limit_stops_within_the_replies_in_flight(inline, scripted_server, limit):
+    # 8 prompts of 9 calls (8 tool calls, then the answer), 4 at a time: each reply $0.001 and 15 tokens, so
+    # the limit is 2 replies; counted only as prompts land, 4 prompts paid 36 replies before the stop
+    server = scripted_server({"default": [*[{**call("terminal", command="echo hi"), "usage": {"cost": 0.001}}] * 8,
+                                          {**think(), "usage": {"cost": 0.001}}]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(8)])
+    name, value = limit.split("=")
+    done = inline.run(*inline.args(server, num_workers=2, concurrency=4, **{name: value}))
+    assert done.returncode == 3, done.stderr
+    billed = sum(r["status"] == 200 for r in server.requests())
+    assert billed <= 2 + 4, f"{billed} replies paid"  # the limit, and at most the 4 calls in flight then
+    stated = re.search(r"reached; this invocation paid \$(\d+\.\d{4}), (\d+) tokens", done.stderr)
+    assert 0.002 <= float(stated[1]) <= billed * 0.001 and 30 <= int(stated[2]) <= billed * 15
 
 
 def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them(cli, scripted_server):

@@ -46,6 +46,14 @@ class Replied:
 
 
 @dataclass(frozen=True)
+class Rerun:
+    """A prompt starts again from its first turn (its Ray actor died), replaying the replies it was
+    paid: the parent has counted them already, and its outcome will count them as replayed."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class Throttled:
     """The endpoint answered 429: the parent halves how many conversations it admits."""
 
@@ -87,7 +95,7 @@ class Cancelled:
     pass
 
 
-Event = Finished | Replied | Throttled | Retrying | Fatal | Log | Notice | Cancelled
+Event = Finished | Replied | Rerun | Throttled | Retrying | Fatal | Log | Notice | Cancelled
 
 
 def without_landed_replies(events: list[Event]) -> list[Event]:
