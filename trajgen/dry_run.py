@@ -1,16 +1,20 @@
 """--dry_run: check the endpoint with one tiny request, price the run where the provider
-publishes prices, and show what would run. Nothing else is spent and nothing is written."""
+publishes prices, and show what would run. Nothing else is spent and nothing is written.
+
+The same request (`probe`) tells, before a run spends anything, whether its spend limits can
+apply: whether the endpoint reports a cost and token counts (`unmeasured`)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import urllib.error
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from rich.table import Table
 
 from trajgen import chat_calls, console, errors
+from trajgen.model import UNKNOWN, reply_usage
 from trajgen.plan import Plan
 from trajgen.task import ModelSettings
 
@@ -19,16 +23,43 @@ ASSUMED_PROMPT_TOKENS = 2000
 ASSUMED_COMPLETION_TOKENS = 500
 
 
-async def _probe(settings: ModelSettings) -> str | None:
-    """None when the endpoint answers a one-token request, else why it does not."""
+@dataclass(frozen=True)
+class Probe:
+    """The endpoint's answer to a one-token request: why there is none, or the usage of its reply."""
+
+    problem: str | None = None
+    usage: dict = field(default_factory=dict)
+
+
+def probe(settings: ModelSettings) -> Probe:
+    return asyncio.run(_probe(settings))
+
+
+async def _probe(settings: ModelSettings) -> Probe:
     endpoint = chat_calls.Endpoint(settings, connections=1)
     try:
-        await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=1), [{"role": "user", "content": "ping"}], None))
+        completion = await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=1),
+                                                                 [{"role": "user", "content": "ping"}], None))
+        return Probe(usage=reply_usage(completion.usage, settings.price_per_mtok))
     except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
         cause = errors.unreachable_cause(e)
-        return f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}"
+        return Probe(f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}")
     finally:
         await endpoint.close()
+
+
+def unmeasured(usage: dict, max_cost: float | None, max_total_tokens: int | None) -> str | None:
+    """Why a spend limit could never be reached against replies like the probe's, in one line."""
+    if max_total_tokens is not None and usage.get(UNKNOWN):
+        return ("--max_total_tokens: the endpoint's replies carry no token counts (usage), so the limit could never "
+                "apply; some servers send them with --stream=False; or leave the limit out")
+    if max_cost is not None and usage.get("cost") is None:
+        if usage.get(UNKNOWN):
+            return ("--max_cost: the endpoint's replies carry no cost and no token counts (usage) to price, so the "
+                    "limit could never apply; some servers send the counts with --stream=False; or leave the limit out")
+        return ("--max_cost: the endpoint reports no cost (usage.cost: OpenRouter does, vLLM and OpenAI do not); "
+                "state its prices with --price_per_mtok=INPUT,OUTPUT (dollars per million tokens), or leave the "
+                "limit out")
     return None
 
 
@@ -48,9 +79,12 @@ def _prices(settings: ModelSettings) -> tuple[float, float] | None:
     return None
 
 
-def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int) -> int:
-    """Print the plan and the estimate; exit status 0 when the endpoint answered, else 1."""
-    problem = asyncio.run(_probe(settings))
+def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int, max_cost: float | None = None,
+           max_total_tokens: int | None = None) -> int:
+    """Print the plan and the estimate; exit status 0 when the endpoint answered, 1 when it did not, 2 when a
+    spend limit could never apply to its replies."""
+    answer = probe(settings)
+    problem = answer.problem
     table = Table(title="Dry run: nothing was spent but one tiny request", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -77,4 +111,7 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
         console.error(f"the endpoint does not answer ({problem}): check --base_url, --model and the key, "
                       "then run --dry_run again")
         return 1
+    if refused := unmeasured(answer.usage, max_cost, max_total_tokens):
+        console.error(refused)
+        return 2
     return 0
