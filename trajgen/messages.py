@@ -101,7 +101,8 @@ Event = Finished | Replied | Rerun | Throttled | Retrying | Fatal | Log | Notice
 def without_landed_replies(events: list[Event]) -> list[Event]:
     """The events a worker sends in one message, less the replies of prompts whose outcome travels
     with them and lands (ok or discarded: resume never runs those again). Their rows carry those
-    replies, and the parent would write the journal entries only to drop them at the next compaction."""
+    replies, and the parent would write the journal entries only to drop them at the next compaction;
+    it counts their spend from the outcome's usage (scheduler._Spend)."""
     landed = {e.outcome.key for e in events if isinstance(e, Finished) and e.outcome.status is not Status.FAILED}
     if not landed:
         return events
