@@ -31,17 +31,22 @@ class Probe:
     usage: dict = field(default_factory=dict)
 
 
-def probe(settings: ModelSettings) -> Probe:
-    return asyncio.run(_probe(settings))
+def probe(settings: ModelSettings, retried: bool = False) -> Probe:
+    """One request of one token; `retried`: under the run's retry policy (before a run, whose calls would be)."""
+    return asyncio.run(_probe(replace(settings, max_tokens=1), retried))
 
 
-async def _probe(settings: ModelSettings) -> Probe:
+async def _probe(settings: ModelSettings, retried: bool) -> Probe:
     endpoint = chat_calls.Endpoint(settings, connections=1)
+    ping = [{"role": "user", "content": "ping"}]
     try:
-        completion = await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=1),
-                                                                 [{"role": "user", "content": "ping"}], None))
+        if retried:
+            completion = await chat_calls.complete(endpoint, settings, ping, None, on_throttle=lambda: None)
+        else:
+            completion = await endpoint.call(chat_calls.request_body(settings, ping, None))
         return Probe(usage=reply_usage(completion.usage, settings.price_per_mtok))
-    except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
+    except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse,
+            errors.FatalAPIError) as e:
         cause = errors.unreachable_cause(e)
         return Probe(f"cannot be reached: {cause}" if cause else f"{type(e).__name__}: {getattr(e, 'message', e)}")
     finally:

@@ -282,7 +282,7 @@ def _unmeasured(prepared: Prepared) -> int | None:
     tiny request (no cost, no token counts): 2, a usage error, before any prompt is paid; 1 when the endpoint
     does not answer it. A new run directory is left empty."""
     opts = prepared.opts
-    probe = dry_run.probe(prepared.model)
+    probe = dry_run.probe(prepared.model, retried=True)
     refused = dry_run.unmeasured(probe.usage, opts.max_cost, opts.max_total_tokens) if not probe.problem else None
     if not (probe.problem or refused):
         return None
