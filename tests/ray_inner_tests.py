@@ -37,10 +37,13 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from tests.support.ray_actors import actor_pids  # noqa: E402
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl  # noqa: E402
+from tests.test_guard_rails import gated_calls, replies_sent  # noqa: E402
 from tests.test_vision_image_tools import PNG  # noqa: E402
 from tests.test_web_tools import fake_api, no_provider_env  # noqa: E402, F401  (fixtures)
+from trajgen import scheduler  # noqa: E402
 from trajgen.errors import WorkerCrashed  # noqa: E402
 from trajgen.messages import Event, Fatal, Finished, Log, Throttled  # noqa: E402
+from trajgen.plan import Plan  # noqa: E402
 from trajgen.ray_executor import RayPool  # noqa: E402
 from trajgen.sandbox.backends import SandboxConfig  # noqa: E402
 from trajgen.tools import ToolSettings  # noqa: E402
@@ -162,6 +165,26 @@ def test_executor_killed_actor_prompts_come_back_failed_and_the_actor_restarts(s
         assert len(again) == 8 and all(r.row for r in again)
     finally:
         pool.close()
+
+
+def test_executor_spend_limit_stops_within_the_calls_in_flight(scripted_server, tmp_path):
+    """Replies reach the driver as they arrive (a paid reply is urgent): a limit of 2 replies over 16 prompts
+    of 9 calls on 2 actors of 4 conversations stops at the first turns' replies, the later calls cancelled."""
+    server = scripted_server({"default": gated_calls("later")})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    limits = scheduler.Limits("run", batch_size=16, concurrency=8, max_cost=0.002)
+    run = scheduler.Scheduler(Plan(remaining=16), _pool(server, tmp_path, crash_retries=0), limits, run_dir, {}, 0.0,
+                              time.monotonic())
+    failing = threading.Timer(60, server.open_gate, ["later"])  # a run that does not stop still ends
+    failing.start()
+    try:
+        end = run.execute(iter([_task(i, f"prompt {i}") for i in range(16)]), on_exit=lambda: None)
+    finally:
+        failing.cancel()
+    sent = replies_sent(server, probes=0)
+    assert end.budget == "--max_cost=0.002" and sent <= 2 + 8, f"{sent} replies paid"
+    assert 0.002 <= end.paid_cost <= 0.001 * sent
 
 
 def test_executor_without_any_worker_left_stops_the_run(scripted_server, tmp_path):

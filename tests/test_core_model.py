@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trajgen import agent, errors
-from trajgen.model import Metered, Reply, ScriptedModel, _usage, checked, tool_call
+from trajgen.model import Metered, Reply, ScriptedModel, checked, reply_usage, tool_call
 from trajgen.outcome import Status, decide
 from trajgen.tools import ToolContext
 from trajgen.task import ModelSettings, Task
@@ -57,7 +57,7 @@ def test_an_empty_answer_is_its_own_failure(content):
                                          ({"completion_tokens": -1}, "completion_tokens -1")])
 def test_usage_that_is_not_a_count_is_malformed(usage, says):
     with pytest.raises(errors.MalformedResponse, match=says):
-        _usage(usage)
+        reply_usage(usage)
 
 
 def test_object_arguments_and_a_missing_id_are_repaired_and_the_row_replays_what_was_sent():
@@ -108,6 +108,15 @@ def test_the_proxy_comes_from_the_environment_and_no_proxy_is_honoured(monkeypat
 
 
 def test_null_token_counts_read_as_absent_and_other_non_counts_are_refused():
-    assert _usage({"prompt_tokens": None, "completion_tokens": 3, "completion_tokens_details": None})["prompt_tokens"] == 0
+    assert reply_usage({"prompt_tokens": None, "completion_tokens": 3, "completion_tokens_details": None})["prompt_tokens"] == 0
     with pytest.raises(errors.MalformedResponse):
-        _usage({"prompt_tokens": "12"})
+        reply_usage({"prompt_tokens": "12"})
+
+
+def test_a_reply_without_token_counts_says_so_and_a_stated_price_costs_a_reply_without_a_cost():
+    assert reply_usage(None) == {"prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": None,
+                                 "replies_without_usage": 1}
+    assert reply_usage({"cost": 0.5}, (1.0, 4.0)) == {**reply_usage(None), "cost": 0.5}
+    assert reply_usage(None, (1.0, 4.0))["cost"] is None  # no tokens to price
+    assert reply_usage({"prompt_tokens": 1000, "completion_tokens": 500}, (1.0, 4.0))["cost"] == 0.003
+    assert reply_usage({"prompt_tokens": 1000, "completion_tokens": 500, "cost": 0.5}, (1.0, 4.0))["cost"] == 0.5

@@ -7,7 +7,7 @@ from typing import Callable
 
 from trajgen import merge, scheduler, store
 from trajgen.errors import EndpointUnreachable, FatalAPIError, WorkerCrashed
-from trajgen.messages import Event, Fatal, Finished, Replied, Retrying
+from trajgen.messages import Event, Fatal, Finished, Replied, Rerun, Retrying
 from trajgen.model import Reply
 from trajgen.outcome import decide
 from trajgen.plan import Plan
@@ -181,6 +181,60 @@ def test_the_spend_limit_stops_admitting_but_lets_prompts_in_flight_finish(tmp_p
     end = run(tmp_path, 10, executor, concurrency=3, max_cost=2.5)
     assert end.budget == "--max_cost=2.5" and (end.paid_cost, end.paid_tokens) == (3.0, 45) and end.failed == 0
     assert len(executor.submitted) == 3 and end.not_run == 7
+
+
+def test_spend_is_counted_as_each_reply_arrives_and_a_limit_cancels_at_once(tmp_path):
+    """Replies count as they arrive, long before their prompts land: the limit cancels the prompts in flight
+    at the reply that reaches it."""
+    class Replying(AnsweringExecutor):
+        def poll(self, timeout: float) -> list[Event]:  # one reply per prompt in flight per poll
+            return [Replied(t.key, 0, "h", Reply({"content": "r"}, {"prompt_tokens": 3, "completion_tokens": 2,
+                                                                    "cost": 0.25})) for t in self.pending]
+
+    executor = Replying(lambda t: [], hold=lambda t: True)
+    end = run(tmp_path, 8, executor, concurrency=4, max_cost=1.5)
+    assert end.budget == "--max_cost=1.5" and executor.cancelled == ["k0", "k1", "k2", "k3"]
+    assert (end.paid_cost, end.paid_tokens) == (2.0, 40)  # two replies each: the limit at the second poll
+    assert len(executor.submitted) == 4 and end.not_run == 8
+
+
+def test_an_outcome_adds_only_the_replies_the_parent_has_not_counted(tmp_path):
+    """The replies that travelled with a landed outcome (not sent apart), one that failed its checks (never
+    sent); an outcome that does not carry its replies (a dead worker's) adds nothing."""
+    sched = scheduler.Scheduler(Plan(remaining=3), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 3),
+                                tmp_path, {}, 0.0, 0.0)
+    sched.admit(iter([task(i) for i in range(3)]))
+    reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
+    for key in ("k0", "k1", "k2"):
+        sched.handle(Replied(key, 0, "h", reply))
+    assert (sched.spend.cost, sched.spend.tokens) == (1.5, 45)
+    two = row(task(0), cost=1.0)
+    two["metadata"]["usage"] |= {"prompt_tokens": 20, "completion_tokens": 10}
+    sched.handle(Finished(decide(task(0), row=two)))  # its second reply travelled with it
+    failed = decide(task(1), error=ValueError("a malformed second reply"),
+                    usage={"prompt_tokens": 20, "completion_tokens": 10, "reasoning_tokens": 0, "cost": 1.0})
+    sched.handle(Finished(failed))
+    sched.handle(Finished(decide(task(2), error=WorkerCrashed("worker process died"))))  # carries no usage
+    assert (sched.spend.cost, sched.spend.tokens) == (2.5, 75) and sched.spend.seen == {}
+    sched.writer.close(sched.checkpoint())
+
+
+def test_a_prompt_run_again_after_its_ray_actor_died_pays_only_what_it_did_not_replay(tmp_path):
+    sched = scheduler.Scheduler(Plan(remaining=1), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 1),
+                                tmp_path, {}, 0.0, 0.0)
+    sched.admit(iter([task(0)]))
+    reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
+    sched.handle(Replied("k0", 0, "h", reply))
+    sched.handle(Replied("k0", 1, "h", reply))
+    sched.handle(Rerun("k0"))  # its first two replies are replayed, then it pays two more, the last with its row
+    sched.handle(Replied("k0", 2, "h", reply))
+    landed = row(task(0), cost=2.0)
+    landed["metadata"]["usage"] = {"prompt_tokens": 40, "completion_tokens": 20, "reasoning_tokens": 0, "cost": 2.0,
+                                   "replayed": {"turns": 2, "prompt_tokens": 20, "completion_tokens": 10,
+                                                "reasoning_tokens": 0, "cost": 1.0}}
+    sched.handle(Finished(decide(task(0), row=landed)))
+    assert (sched.spend.cost, sched.spend.tokens) == (2.0, 60)
+    sched.writer.close(sched.checkpoint())
 
 
 def test_an_executor_left_without_workers_stops_the_run_like_a_fatal_error(tmp_path):

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 from tests.conftest import read_jsonl, think, write_jsonl
+from tests.test_guard_rails import prompt_requests
 
 
 def _call(function: dict | None = None, call_id: str | None = "c1") -> dict:
@@ -108,7 +109,7 @@ def test_a_failed_prompt_counts_what_it_paid_toward_max_cost(inline, scripted_se
     done = inline.run(*inline.args(server, num_workers=1, concurrency=1, max_cost=1.0))
     assert done.returncode == 3, done.stderr
     assert "--max_cost=1.0 reached" in done.stderr
-    assert len(server.requests()) == 4  # two prompts, then the limit
+    assert len(prompt_requests(server)) == 4  # two prompts, then the limit
     failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [f["usage"]["cost"] for f in failures] == [0.5, 0.5]
     stats = json.loads((inline.run_dir() / "statistics.json").read_text())

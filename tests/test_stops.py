@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.test_guard_rails import replies_sent
 from tests.test_resume import _rows
 
 # the model answers at once and the tool takes a second: at a stop, prompts are in their tools, not in a call
@@ -127,5 +128,6 @@ def test_the_spend_stop_line_states_what_the_table_and_statistics_say_was_paid(c
     table = re.search(r"│ cost\s+│\s+\$(\d+\.\d{4}) │", done.stdout)
     statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
     assert float(stated[1]) >= 0.01
+    assert replies_sent(server) <= 1 + 6  # the limit, and at most the calls in flight then: through the workers' pipes
     assert stated[1] == table[1] == f"{statistics['cost']:.4f}"
     assert int(stated[2]) == statistics["tokens"]["prompt"] + statistics["tokens"]["completion"]

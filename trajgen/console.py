@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from trajgen.model import UNKNOWN
+
 
 class _Stdout(Console):
     def on_broken_pipe(self) -> None:
@@ -163,8 +165,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         *([("rows of prompts no longer in the dataset", stats["records_not_in_dataset"])]
           if stats.get("records_not_in_dataset") else []),
         ("api calls", stats["api_calls"]),
-        ("tokens prompt / completion / reasoning",
-         " / ".join(str(stats["tokens"][k]) for k in ("prompt", "completion", "reasoning"))),
+        ("tokens prompt / completion / reasoning", tokens(stats["tokens"])),
         ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
         *latency_rows(stats),
         ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
@@ -173,6 +174,14 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
          f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
     ]
     return [(name, str(value)) for name, value in rows]
+
+
+def tokens(counts: dict) -> str:
+    """Token totals as the summary shows them: n/a, never 0, when replies did not say their tokens."""
+    if counts["prompt"] is None:
+        unknown = counts[UNKNOWN]
+        return f"n/a ({unknown} repl{'y' if unknown == 1 else 'ies'} without usage)"
+    return " / ".join(str(counts[k]) for k in ("prompt", "completion", "reasoning"))
 
 
 def latency_rows(stats: dict) -> list[tuple[str, str]]:

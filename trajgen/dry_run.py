@@ -1,17 +1,21 @@
 """--dry_run: check the endpoint with one tiny request, price the run where the provider
-publishes prices, and show what would run. Nothing else is spent and nothing is written."""
+publishes prices, and show what would run. Nothing else is spent and nothing is written.
+
+The same request (`probe`) tells, before a run spends anything, whether its spend limits can
+apply: whether the endpoint reports a cost and token counts (`unmeasured`)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import urllib.error
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from rich.markup import escape
 from rich.table import Table
 
 from trajgen import chat_calls, console, errors, trajectory
+from trajgen.model import UNKNOWN, reply_usage
 from trajgen.plan import Plan
 from trajgen.task import ModelSettings
 
@@ -21,17 +25,34 @@ ASSUMED_COMPLETION_TOKENS = 500
 PROBE_TOKENS = 32  # enough for a reasoning model to start reasoning, or any other to finish "pong"
 
 
-async def _probe(settings: ModelSettings) -> tuple[str | None, chat_calls.Completion | None]:
-    """(None, the reply) when the endpoint answers a tiny request, else (why it does not, None), in
-    the words the run would stop with."""
+@dataclass(frozen=True)
+class Probe:
+    """The endpoint's answer to a tiny request: why there is none, or its reply and the reply's usage."""
+
+    problem: str | None = None
+    reply: chat_calls.Completion | None = None
+    usage: dict = field(default_factory=dict)
+
+
+def probe(settings: ModelSettings, tokens: int = 1, retried: bool = False) -> Probe:
+    """One request of `tokens`; `retried`: under the run's retry policy (before a run, whose calls would be)."""
+    return asyncio.run(_probe(replace(settings, max_tokens=tokens), retried))
+
+
+async def _probe(settings: ModelSettings, retried: bool) -> Probe:
     endpoint = chat_calls.Endpoint(settings, connections=1)
+    ping = [{"role": "user", "content": "ping"}]
     try:
-        return None, await endpoint.call(chat_calls.request_body(replace(settings, max_tokens=PROBE_TOKENS),
-                                                                 [{"role": "user", "content": "ping"}], None))
-    except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse) as e:
+        if retried:
+            completion = await chat_calls.complete(endpoint, settings, ping, None, on_throttle=lambda: None)
+        else:
+            completion = await endpoint.call(chat_calls.request_body(settings, ping, None))
+        return Probe(reply=completion, usage=reply_usage(completion.usage, settings.price_per_mtok))
+    except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse,
+            errors.FatalAPIError) as e:
         cause = errors.unreachable_cause(e)
-        return (f"cannot be reached: {cause}" if cause else chat_calls.unchanging(e)
-                or f"does not answer ({type(e).__name__}: {getattr(e, 'message', e)})"), None
+        return Probe(f"cannot be reached: {cause}" if cause else chat_calls.unchanging(e)
+                     or f"does not answer ({type(e).__name__}: {getattr(e, 'message', e)})")
     finally:
         await endpoint.close()
 
@@ -41,6 +62,21 @@ def _reasoning(reply: chat_calls.Completion) -> str:
     if trajectory.split_reasoning(reply.message)[0]:
         return "[green]in the test reply[/]"
     return "[yellow]none in the test reply[/]: samples without reasoning are not kept unless --require_reasoning=False"
+
+
+def unmeasured(usage: dict, max_cost: float | None, max_total_tokens: int | None) -> str | None:
+    """Why a spend limit could never be reached against replies like the probe's, in one line."""
+    if max_total_tokens is not None and usage.get(UNKNOWN):
+        return ("--max_total_tokens: the endpoint's replies carry no token counts (usage), so the limit could never "
+                "apply; some servers send them with --stream=False; or leave the limit out")
+    if max_cost is not None and usage.get("cost") is None:
+        if usage.get(UNKNOWN):
+            return ("--max_cost: the endpoint's replies carry no cost and no token counts (usage) to price, so the "
+                    "limit could never apply; some servers send the counts with --stream=False; or leave the limit out")
+        return ("--max_cost: the endpoint reports no cost (usage.cost: OpenRouter does, vLLM and OpenAI do not); "
+                "state its prices with --price_per_mtok=INPUT,OUTPUT (dollars per million tokens), or leave the "
+                "limit out")
+    return None
 
 
 def _prices(settings: ModelSettings) -> tuple[float, float] | None:
@@ -59,9 +95,12 @@ def _prices(settings: ModelSettings) -> tuple[float, float] | None:
     return None
 
 
-def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int) -> int:
-    """Print the plan and the estimate; exit status 0 when the endpoint answered, else 1."""
-    problem, reply = asyncio.run(_probe(settings))
+def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: int, max_cost: float | None = None,
+           max_total_tokens: int | None = None) -> int:
+    """Print the plan and the estimate; exit status 0 when the endpoint answered, 1 when it did not, 2 when a
+    spend limit could never apply to its replies."""
+    answer = probe(settings, PROBE_TOKENS)
+    problem, reply = answer.problem, answer.reply
     table = Table(title="Dry run: nothing was spent but one tiny request", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -90,4 +129,7 @@ def report(plan: Plan, settings: ModelSettings, batch_size: int, already_done: i
         console.error(f"--base_url={settings.base_url} {problem}; check --base_url, --model and the key, "
                       "then run --dry_run again")
         return 1
+    if refused := unmeasured(answer.usage, max_cost, max_total_tokens):
+        console.error(refused)
+        return 2
     return 0

@@ -20,6 +20,7 @@ from typing import Iterable
 import orjson
 
 from trajgen import store, verify
+from trajgen.model import UNKNOWN
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
 from trajgen.verify import Verdict
 
@@ -41,6 +42,7 @@ class Tally:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     cost: float | None = None
+    replies_without_usage: int = 0  # their tokens are unknown, and so are the totals
     stalls: int = 0  # calls abandoned for silence (--stall_timeout) and asked again
     latency: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in LATENCY_KEYS})  # bin -> replies
 
@@ -64,6 +66,7 @@ class Tally:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
         self.reasoning_tokens += usage.get("reasoning_tokens", 0)
+        self.replies_without_usage += usage.get(UNKNOWN, 0)
         self.stalls += usage.get("stalls", 0)
         if usage.get("cost") is not None:
             self.cost = (self.cost or 0.0) + usage["cost"]
@@ -72,7 +75,7 @@ class Tally:
         """Totals of counters only (tools stay per group)."""
         total = Tally()
         for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls",
-                     "prompt_tokens", "completion_tokens", "reasoning_tokens", "stalls"):
+                     "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total.latency = {k: self.latency[k] + other.latency[k] for k in LATENCY_KEYS}
         costs = [c for c in (self.cost, other.cost) if c is not None]
@@ -359,4 +362,7 @@ def _spread(bins: Counter) -> dict:
 
 
 def _tokens(tally: Tally) -> dict:
+    """The token totals; unknown (null) when some reply did not say its tokens: a sum without them is not the total."""
+    if tally.replies_without_usage:
+        return {"prompt": None, "completion": None, "reasoning": None, UNKNOWN: tally.replies_without_usage}
     return {"prompt": tally.prompt_tokens, "completion": tally.completion_tokens, "reasoning": tally.reasoning_tokens}

@@ -46,6 +46,14 @@ class Replied:
 
 
 @dataclass(frozen=True)
+class Rerun:
+    """A prompt starts again from its first turn (its Ray actor died), replaying the replies it was
+    paid: the parent has counted them already, and its outcome will count them as replayed."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class Throttled:
     """The endpoint answered 429: the parent halves how many conversations it admits."""
 
@@ -87,13 +95,14 @@ class Cancelled:
     pass
 
 
-Event = Finished | Replied | Throttled | Retrying | Fatal | Log | Notice | Cancelled
+Event = Finished | Replied | Rerun | Throttled | Retrying | Fatal | Log | Notice | Cancelled
 
 
 def without_landed_replies(events: list[Event]) -> list[Event]:
     """The events a worker sends in one message, less the replies of prompts whose outcome travels
     with them and lands (ok or discarded: resume never runs those again). Their rows carry those
-    replies, and the parent would write the journal entries only to drop them at the next compaction."""
+    replies, and the parent would write the journal entries only to drop them at the next compaction;
+    it counts their spend from the outcome's usage (scheduler._Spend)."""
     landed = {e.outcome.key for e in events if isinstance(e, Finished) and e.outcome.status is not Status.FAILED}
     if not landed:
         return events

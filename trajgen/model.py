@@ -17,6 +17,7 @@ from trajgen.errors import EmptyAnswer, MalformedResponse
 from trajgen.task import ModelSettings
 
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "reasoning_tokens")
+UNKNOWN = "replies_without_usage"  # a usage's count of replies that said nothing of their tokens (0 is not absent)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class OpenAIModel:
                                       self._stalled, self.on_retry)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
-        reply = checked(response.message, _usage(response.usage))
+        reply = checked(response.message, reply_usage(response.usage, self.settings.price_per_mtok))
         return replace(reply, served_by=served_by, timing=response.timing, finish_reason=response.finish_reason)
 
 
@@ -60,23 +61,28 @@ def _short(value) -> str:
     return orjson.dumps(value, default=repr).decode()[:200]
 
 
-def _usage(usage) -> dict:
+def reply_usage(usage, price_per_mtok: tuple[float, float] | None = None) -> dict:
     """Token counts and cost of one reply; counts that are not counts are refused, since the
-    spend limits rely on them."""
+    spend limits rely on them. A reply without token counts says so (UNKNOWN); one without a cost
+    is priced at `price_per_mtok` (dollars per million input, output tokens) when it is stated."""
     if usage is None:
-        return {}
+        usage = {}
     if not isinstance(usage, dict):
         raise MalformedResponse(f"the reply's usage is not an object: {_short(usage)}")
     details = usage.get("completion_tokens_details")
     details = details if isinstance(details, dict) else {}
     counts = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
               "reasoning_tokens": details.get("reasoning_tokens")}
+    unknown = counts["prompt_tokens"] is None and counts["completion_tokens"] is None
     counts = {key: 0 if value is None else value for key, value in counts.items()}  # null counts as absent
     for key, value in counts.items():
         if type(value) is not int or value < 0:
             raise MalformedResponse(f"the reply's usage has {key} {_short(value)}, not a token count")
     cost = usage.get("cost")
-    return {**counts, "cost": cost if type(cost) in (int, float) and 0 <= cost < float("inf") else None}
+    cost = cost if type(cost) in (int, float) and 0 <= cost < float("inf") else None
+    if cost is None and price_per_mtok is not None and not unknown:
+        cost = (counts["prompt_tokens"] * price_per_mtok[0] + counts["completion_tokens"] * price_per_mtok[1]) / 1e6
+    return {**counts, "cost": cost, **({UNKNOWN: 1} if unknown else {})}
 
 
 def no_usage() -> dict:
@@ -88,6 +94,8 @@ def add_usage(total: dict, usage: dict) -> None:
         total[key] += usage.get(key, 0)
     if usage.get("cost") is not None:
         total["cost"] = (total["cost"] or 0.0) + usage["cost"]
+    if usage.get(UNKNOWN):
+        total[UNKNOWN] = total.get(UNKNOWN, 0) + usage[UNKNOWN]
 
 
 def checked(message: dict, usage: dict) -> Reply:

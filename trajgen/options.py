@@ -89,8 +89,9 @@ class RunOptions:
     models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.", group="endpoint")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0, group="output")
     dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.", group="run", first_run=True)
-    max_cost: float | None = flag(None, "Stop admitting prompts once this invocation has spent this many dollars (endpoint-reported cost).", minimum=0, group="limits")
-    max_total_tokens: int | None = flag(None, "Stop admitting prompts once this invocation has used this many tokens.", minimum=1, group="limits")
+    max_cost: float | None = flag(None, "Stop once this invocation has spent this many dollars (the cost the endpoint reports, else --price_per_mtok); refused before any prompt when the endpoint reports no cost.", minimum=0, group="limits")
+    max_total_tokens: int | None = flag(None, "Stop once this invocation has used this many tokens; refused before any prompt when the endpoint reports no token counts.", minimum=1, group="limits")
+    price_per_mtok: ListFlag = flag(None, "Dollars per million input,output tokens (e.g. 0.15,0.60; one number for both): the cost of every reply whose endpoint reports none (vLLM, OpenAI), so that --max_cost applies.", group="limits")
     cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.", group="resume")
     cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1, group="resume")
     verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).", group="output")
@@ -154,8 +155,20 @@ class RunOptions:
             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, max_retries=self.max_retries,
             retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
             stream=self.stream, stall_timeout=float(self.stall_timeout), max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
-            reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
+            price_per_mtok=self.prices(), reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
             ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
+
+    def prices(self) -> tuple[float, float] | None:
+        """--price_per_mtok as (input, output) dollars per million tokens: one number prices both."""
+        parts = as_list(self.price_per_mtok)
+        try:
+            prices = [float(p) for p in parts]
+        except ValueError:
+            prices = []
+        if parts and not (len(prices) in (1, 2) and all(0 <= p < float("inf") for p in prices)):
+            raise UsageError(f"--price_per_mtok must be dollars per million input,output tokens (e.g. 0.15,0.60) or "
+                             f"one number for both, got {self.price_per_mtok!r}")
+        return (prices[0], prices[-1]) if prices else None
 
     def tool_settings(self, api_key: str) -> ToolSettings:
         return ToolSettings(
@@ -262,6 +275,7 @@ def check(opts: RunOptions) -> None:
         raise UsageError(f"--terminal_backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
     if opts.provider_sort not in (None, "price", "throughput", "latency"):
         raise UsageError("--provider_sort must be price, throughput or latency")
+    opts.prices()
     if opts.reasoning_effort not in (None, *REASONING_EFFORTS):
         raise UsageError(f"--reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}")
     if opts.executor != "processes":  # Ray is imported only when asked for: its import costs every worker CPU and memory

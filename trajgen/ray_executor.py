@@ -28,7 +28,7 @@ from typing import Any
 
 from trajgen import journal, registry
 from trajgen.errors import NoNodeCanServe, UsageError, WorkerCrashed
-from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Replied, Throttled, without_landed_replies
+from trajgen.messages import Cancelled, Event, Fatal, Finished, Log, Replied, Rerun, Throttled, without_landed_replies
 from trajgen.outcome import decide
 from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
@@ -348,6 +348,7 @@ class RayPool:
                 self.crashes[task.key] += 1
                 paid = tuple(self.paid.pop(task.key, ()))  # replayed, not paid again
                 self.queue.appendleft(replace(task, replay=task.replay + paid))  # first in line for an actor with room
+                messages.append(Rerun(task.key))
             else:
                 self.paid.pop(task.key, None)  # journaled: a resume replays them
                 messages.append(Finished(decide(task, error=WorkerCrashed(f"Ray worker died: {_why(error)}"))))

@@ -108,7 +108,10 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
                 return Ran(1)
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
         if opts.dry_run:
-            return Ran(dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done)))
+            return Ran(dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done),
+                                      opts.max_cost, opts.max_total_tokens))
+        if (opts.max_cost is not None or opts.max_total_tokens is not None) and (refused := _unmeasured(prepared)):
+            return Ran(refused)
         outcome, previous = execute(prepared, sandbox, missing_images, started, health_check)
     finally:
         cleanup(sandbox)
@@ -295,10 +298,34 @@ def _bring_back_unreasoned(run_dir: Path) -> int:
 def _unreachable(prepared: Prepared, reason: str | None) -> int:
     """A new run whose endpoint never answered leaves nothing behind (only the lock, as a usage error
     does): the same command, with --base_url fixed, starts it afresh."""
-    for child in store.entries(prepared.run_dir):
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    _forget(prepared)
     console.error(f"{reason}; nothing was sent or recorded. Fix --base_url (--dry_run checks it) and run the same "
                   "command again")
+    return 1
+
+
+def _forget(prepared: Prepared) -> None:
+    """Remove what this invocation made of a new run directory."""
+    if prepared.fresh:
+        for child in store.entries(prepared.run_dir):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def _unmeasured(prepared: Prepared) -> int | None:
+    """The exit status of a run whose spend limit could never be reached, told by the endpoint's reply to one
+    tiny request (no cost, no token counts): 2, a usage error, before any prompt is paid; 1 when the endpoint
+    does not answer it. A new run directory is left empty."""
+    opts = prepared.opts
+    probe = dry_run.probe(prepared.model, retried=True)
+    refused = dry_run.unmeasured(probe.usage, opts.max_cost, opts.max_total_tokens) if not probe.problem else None
+    if not (probe.problem or refused):
+        return None
+    _forget(prepared)
+    if refused:
+        console.error(refused)
+        return 2
+    console.error(f"the endpoint does not answer ({probe.problem}); no prompt was sent. Fix --base_url, --model or "
+                  "the key (--dry_run checks them) and run the same command again")
     return 1
 
 

@@ -17,7 +17,7 @@ import orjson
 
 from trajgen import console, journal, store
 from trajgen.errors import EndpointUnreachable, ImageUnavailable, RunStopped, WorkerCrashed
-from trajgen.messages import STOP_SIGNALS, Event, Fatal, Finished, Log, Notice, Replied, Retrying, Throttled
+from trajgen.messages import STOP_SIGNALS, Event, Fatal, Finished, Log, Notice, Replied, Rerun, Retrying, Throttled
 from trajgen.outcome import PromptOutcome, Status, decide
 from trajgen.plan import Plan, needs_sandbox
 from trajgen.task import Task
@@ -108,22 +108,38 @@ def paid(usage: dict) -> tuple[float, int]:
     prompt's replies were paid for too), less the replies a row replayed from the journal."""
     replayed = usage.get("replayed") or journal.empty_replayed()
     return ((usage.get("cost") or 0.0) - (replayed["cost"] or 0.0),
-            usage["prompt_tokens"] + usage["completion_tokens"] - replayed["prompt_tokens"] - replayed["completion_tokens"])
+            usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+            - replayed["prompt_tokens"] - replayed["completion_tokens"])
 
 
 class _Spend:
+    """What this invocation paid, counted as each reply arrives (`replied`), so a limit stops the run
+    within the replies in flight. An outcome (`landed`) adds only what its prompt paid beyond the replies
+    already counted for it: those that travelled with it (messages.without_landed_replies) and a
+    reply that failed its checks (never journaled); an outcome that does not carry its replies (a dead
+    worker's) adds nothing."""
+
     def __init__(self, limits: Limits):
         self.limits, self.cost, self.tokens = limits, 0.0, 0
+        self.seen: dict[str, tuple[float, int]] = {}  # per prompt in flight: its replies counted so far
 
-    def add(self, usage: dict) -> None:
+    def replied(self, key: str, usage: dict) -> None:
         cost, tokens = paid(usage)
         self.cost += cost
         self.tokens += tokens
+        seen_cost, seen_tokens = self.seen.get(key, (0.0, 0))
+        self.seen[key] = (seen_cost + cost, seen_tokens + tokens)
 
-    def add_reply(self, usage: dict) -> None:
-        """A reply paid for by a prompt a stop cancelled: no outcome of it will count it."""
-        self.cost += usage.get("cost") or 0.0
-        self.tokens += usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+    def landed(self, key: str, usage: dict) -> None:
+        cost, tokens = paid(usage)
+        seen_cost, seen_tokens = self.seen.pop(key, (0.0, 0))
+        self.cost += max(0.0, cost - seen_cost)
+        self.tokens += max(0, tokens - seen_tokens)
+
+    def rerun(self, key: str) -> None:
+        """The prompt starts again from its first turn, replaying the replies counted so far: its next
+        outcome counts them as replayed, not paid."""
+        self.seen.pop(key, None)
 
     def exceeded(self) -> str | None:
         """The limit reached, if one is."""
@@ -152,7 +168,6 @@ class Scheduler:
         self.last_throttle = 0.0
         self.exhausted = False
         self.submitted: dict[str, Task] = {}  # in flight; recorded failed if a fatal stop cancels them
-        self.unlanded: dict[str, list[dict]] = {}  # usage of the replies paid by prompts in flight
         self.retrying: dict[str, tuple[Retrying, float]] = {}  # prompts waiting to retry a call, and since when
         self.answered = False  # the endpoint has answered some worker in this run
         self.noticed: set[str] = set()  # the topics of the notices said
@@ -186,7 +201,7 @@ class Scheduler:
         """Write one outcome; `task`, when it was never submitted (the submitted ones are known)."""
         task = self.submitted.pop(outcome.key, None) or task
         base = {"prompt_key": outcome.key, "prompt_index": outcome.prompt_index, "batch_num": outcome.batch_num}
-        self.spend.add(outcome.usage)
+        self.spend.landed(outcome.key, outcome.usage)
         self.writer.user_files(outcome.files)  # before the row that names them
         match outcome.status:  # rows arrive serialised by the worker and are written as they are
             case Status.OK:
@@ -212,16 +227,17 @@ class Scheduler:
                 self.retrying.pop(outcome.key, None)  # not a failure of the prompt: it is still to run
             case Finished(outcome):
                 self.retrying.pop(outcome.key, None)
-                self.unlanded.pop(outcome.key, None)  # its outcome's usage counts every reply it paid
                 self.answered = self.answered or outcome.row is not None
                 self.record(outcome)
                 if outcome.row is not None:  # only an answer says the endpoint has recovered
                     self.window = min(float(self.limits.concurrency), self.window + 1)
             case Replied():
                 self.retrying.pop(event.key, None)
-                self.unlanded.setdefault(event.key, []).append(event.reply.usage)
+                self.spend.replied(event.key, event.reply.usage)
                 self.answered = True
                 self.writer.journal(journal.entry(event))
+            case Rerun(key):
+                self.spend.rerun(key)
             case Retrying(key):
                 self.retrying[key] = (event, time.monotonic())
             case Throttled() if time.monotonic() - self.last_throttle > 2.0:
@@ -276,9 +292,6 @@ class Scheduler:
                 if self.end.fatal and not self.end.unreachable:  # the prompts cut short fail: the statistics show them
                     for task in list(self.submitted.values()):
                         self.record(decide(task, error=RunStopped(self.end.fatal)))
-                for usages in self.unlanded.values():  # cancelled: journaled, resumed, and paid now
-                    for usage in usages:
-                        self.spend.add_reply(usage)
         finally:
             self.pool.close()
             self.writer.close(self.checkpoint())

@@ -26,6 +26,7 @@ class ModelSettings:
     stream: bool = True  # chat calls as server-sent events
     stall_timeout: float = 120.0  # seconds without a byte after which a streamed call is asked again
     max_reply_bytes: int = 32 << 20
+    price_per_mtok: tuple[float, float] | None = None  # $ per million input, output tokens, for replies without a cost
     prompt_timeout: float | None = None
     extra_body: dict = field(default_factory=dict)  # provider routing and reasoning controls
     reasoning_effort: str | None = None  # the standard parameter, for endpoints other than OpenRouter
