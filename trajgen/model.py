@@ -68,9 +68,14 @@ def _usage(usage) -> dict:
         raise MalformedResponse(f"the reply's usage is not an object: {_short(usage)}")
     details = usage.get("completion_tokens_details")
     details = details if isinstance(details, dict) else {}
-    counts = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-              "reasoning_tokens": details.get("reasoning_tokens")}
-    counts = {key: 0 if value is None else value for key, value in counts.items()}  # null counts as absent
+    return counted({"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+                    "reasoning_tokens": details.get("reasoning_tokens"), "cost": usage.get("cost")})
+
+
+def counted(usage: dict) -> dict:
+    """A reply's usage as a Reply holds it (USAGE_KEYS and cost), from the endpoint's or as stored
+    by the journal or the cache; counts that are not counts are refused."""
+    counts = {key: 0 if usage.get(key) is None else usage[key] for key in USAGE_KEYS}  # null counts as absent
     for key, value in counts.items():
         if type(value) is not int or value < 0:
             raise MalformedResponse(f"the reply's usage has {key} {_short(value)}, not a token count")
@@ -96,13 +101,19 @@ def checked(message: dict, usage: dict) -> Reply:
     specifies, and the transcript carries that string, so the row replays exactly what was sent
     back to the model (a call without an id gets one from the loop, likewise). Anything that would
     change the data is refused: a call without a function or a string function name, arguments of
-    another type, two calls with one id, content that is not text, a reply with nothing in it."""
+    another type, two calls with one id, content or reasoning that is not text, reasoning_details
+    that are not a list, a reply with nothing in it."""
     def bad(what: str) -> MalformedResponse:
         return MalformedResponse(f"the reply {what}", usage)
 
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise bad(f"has content that is not text: {_short(content)}")
+    for name in ("reasoning", "reasoning_content"):
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise bad(f"has {name} that is not text: {_short(message[name])}")
+    if message.get("reasoning_details") is not None and not isinstance(message["reasoning_details"], list):
+        raise bad(f"has reasoning_details that are not a list: {_short(message['reasoning_details'])}")
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list):
         raise bad(f"has tool_calls that are not a list: {_short(calls)}")
