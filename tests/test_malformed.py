@@ -3,14 +3,11 @@ endpoint did, and what they cost still counts. Whole runs in process (tests/supp
 the loopback scripted server."""
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 from collections import Counter
-from typing import Iterator
 
 from tests.conftest import call, read_jsonl, think, write_jsonl
-from tests.support.inline import interrupt
+from tests.support.inline import stopped_if_it_hangs
 from trajgen import agent
 
 
@@ -120,18 +117,6 @@ def test_a_failed_prompt_counts_what_it_paid_toward_max_cost(inline, scripted_se
     assert (stats["failed"]["cost"], stats["cost"]) == (1.0, 1.0)
 
 
-@contextlib.contextmanager
-def _stopped_if_it_hangs(seconds: float = 120) -> Iterator[None]:
-    """Ctrl-C to a run in this process that is still going after `seconds`: a hang shows as a run
-    stopped by SIGINT (exit status 130), with its prompts in flight, instead of a test that never ends."""
-    timer = threading.Timer(seconds, interrupt)
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
 def test_a_reply_with_reasoning_of_the_wrong_type_fails_its_prompt_and_never_hangs_the_run(inline, scripted_server):
     odd = {"reasoning details not a list": {"role": "assistant", "content": "an answer", "reasoning_details": 5},
            "reasoning not text": {"role": "assistant", "content": "an answer", "reasoning": {"text": "r"}}}
@@ -139,7 +124,7 @@ def test_a_reply_with_reasoning_of_the_wrong_type_fails_its_prompt_and_never_han
     server = scripted_server(script)
     dataset = [*odd, "healthy"]
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
-    with _stopped_if_it_hangs():
+    with stopped_if_it_hangs():
         done = inline.run(*inline.args(server, stream=False))
     assert done.returncode == 1, done.stderr  # 130 would be a hang, stopped
     assert "Traceback" not in done.stderr
@@ -171,7 +156,7 @@ def test_an_error_nobody_foresaw_after_the_replies_fails_its_prompt_with_its_tra
     server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
     dataset = ["unlucky", "lucky"]
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
-    with _stopped_if_it_hangs():
+    with stopped_if_it_hangs():
         done = inline.run(*inline.args(server))
     assert done.returncode == 1, done.stderr  # 130 would be a hang, stopped
     [failure] = read_jsonl(inline.run_dir() / "failures.jsonl")
