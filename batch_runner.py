@@ -14,7 +14,7 @@ import shlex
 import sys
 
 from trajgen import command_line, options
-from trajgen.errors import DiskFull, UsageError
+from trajgen.errors import Unwritable, UsageError
 from trajgen.options import DEFAULT_BASE_URL, DEFAULT_SYSTEM_PROMPT, RunOptions  # noqa: F401  (public names)
 from trajgen.sandbox import BackendUnreachable
 
@@ -30,8 +30,8 @@ def main(**flag_values) -> None:
     except UsageError as e:
         console.error(str(e))
         sys.exit(2)
-    except DiskFull as e:
-        console.stopped(f"{e}. Every row already written is kept; free some space, then resume with:")
+    except Unwritable as e:  # a full disk, a run directory turned read-only
+        console.stopped(f"{e}. Every row already written is kept; {e.fix}, then resume with:")
         sys.exit(1)
     except BackendUnreachable as e:  # found when the images were checked, before any prompt was sent
         console.error(f"{e}; nothing was sent. Fix it, then run the same command again")

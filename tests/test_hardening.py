@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
+from tests.support.inline import when
 from trajgen import chat_calls, errors, store
 from trajgen.options import RunOptions
 from trajgen.sandbox import cgroups
@@ -201,6 +202,61 @@ def test_full_disk_stops_keeps_every_row_and_resume_finishes(inline, scripted_se
     asked_again = {prompt for prompt, _ in _asked(server) - asked_before}
     assert not asked_again & landed
     assert json.loads((run_dir / "statistics.json").read_text())["kept"] == 60
+
+
+# ---------------------------------------------------------------- a run directory turned read-only
+
+
+def _chattr(flag: str, paths: list[Path]) -> None:
+    changed = subprocess.run(["chattr", flag, *map(str, paths)], capture_output=True, text=True)
+    if changed.returncode:
+        pytest.skip(f"cannot chattr {flag} here: {changed.stderr.strip()}")
+
+
+@pytest.mark.parametrize("what", ["directory", "every file"])
+def test_a_run_directory_turned_read_only_stops_with_the_resume_line_and_loses_nothing(inline, scripted_server, what):
+    """chattr +i, as root ignores file modes. On the directory, no file can be made in it while the open ones
+    still take appends: what chmod does to a runner that is not root. On every file too, nothing can be written:
+    a read-only file system, where the replies that arrive after the change cannot be kept (they are paid again)."""
+    held, free = [f"p{i}" for i in range(4, 8)], [f"p{i}" for i in range(4)]
+    turns = lambda name: [{"tool_calls": [{"name": "terminal", "arguments": {"command": f"echo {name} {t}"}}],  # noqa: E731
+                           "reasoning": "a tool"} for t in range(2)] + [think(f"{name} done")]
+    server = scripted_server({"prompts": {n: turns(n) for n in free} | {n: [t if i != 1 else {**t, "gate": "g"}
+                                                                         for i, t in enumerate(turns(n))] for n in held}})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in free + held])
+    run_dir = inline.run_dir()
+
+    def settled() -> bool:  # the free prompts landed (in the one batch file); the held ones journaled, at their gate
+        if not run_dir.exists():
+            return False
+        landed = {store.row_key(r) for _, path in store.batch_files(run_dir) for r in store.read_records(path, [])}
+        waiting = {e["key"] for e in store.read_records(run_dir / store.JOURNAL, []) if e["key"] not in landed}
+        return len(landed) == len(free) and len(waiting) == len(held) and all((n, 1) in _asked(server) for n in held)
+
+    def turn_read_only() -> None:
+        _chattr("+i", [run_dir, *(run_dir.iterdir() if what == "every file" else [])])
+        server.open_gate("g")
+
+    try:
+        with when(settled, turn_read_only):
+            stopped = inline.run(*inline.args(server, batch_size=8))
+    finally:
+        _chattr("-i", [run_dir, *run_dir.iterdir()])
+    assert stopped.returncode == 1, stopped.stderr
+    assert f"operation not permitted writing {run_dir.relative_to(inline.cwd)}/" in _one_line_error(stopped)
+    assert "a bug" not in stopped.stderr
+    assert "make the run directory writable again, then resume with:" in stopped.stderr and "--resume" in stopped.stderr
+    landed = {p for _, path in store.batch_files(run_dir) for p in _prompts(list(store.read_records(path, [])))}
+    assert landed == set(free + held) if what == "directory" else landed == set(free)
+
+    resumed = inline.run(*inline.args(server, batch_size=8, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(_prompts(read_jsonl(run_dir / "trajectories.jsonl"))) == free + held
+    paid_twice = {key for key, n in _asked(server).items() if n > 1}  # the server answers every request it gets
+    if what == "directory":
+        assert not paid_twice
+    else:  # only replies that arrived after the change, when nothing could keep them
+        assert paid_twice and paid_twice <= {(n, t) for n in held for t in (1, 2)}, paid_twice
 
 
 # ---------------------------------------------------------------- outages and odd replies

@@ -14,9 +14,10 @@ import orjson
 import pytest
 
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
-from tests.support.inline import interrupt, when
+from tests.support.inline import interrupt, stopped_if_it_hangs, when
 from tests.test_hardening import _asked, _wait_for
 from trajgen import journal, store
+from trajgen.errors import MalformedResponse
 from trajgen.messages import Finished, Replied, without_landed_replies
 from trajgen.model import Reply
 from trajgen.outcome import PromptOutcome, Status
@@ -291,3 +292,71 @@ def test_an_unreadable_journal_line_is_said_once_and_its_reply_asked_again(inlin
         json.loads(entries[1])["key"]]
     damaged = ({"a", "b"} - {kept}).pop()
     assert asked == sorted([(damaged, 0), (damaged, 1), (kept, 1)])
+
+
+DAMAGE = {  # a prompt -> how its cached reply is damaged
+    "content a number": lambda entry: entry["message"].update(content=42),
+    "usage null": lambda entry: entry.update(usage=None),
+    "tool calls a string": lambda entry: entry["message"].update(tool_calls="zzz"),
+    "reasoning details a number": lambda entry: entry["message"].update(reasoning_details=5),
+}
+
+
+def test_a_damaged_cache_entry_is_deleted_said_once_and_asked_of_the_endpoint(inline, scripted_server, tmp_path):
+    names = [*DAMAGE, "sound", "torn"]
+    server = scripted_server({"prompts": {n: [think(n)] for n in names}})  # each cached reply names its prompt
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
+    cache = tmp_path / "cache"
+    assert inline.run(*inline.args(server, cache_dir=cache)).returncode == 0
+    entries = {orjson.loads(path.read_bytes())["message"]["content"]: path for path in cache.glob("??/*.json")}
+    for name, damage in DAMAGE.items():
+        entry = orjson.loads(entries[name].read_bytes())
+        damage(entry)
+        entries[name].write_bytes(orjson.dumps(entry))
+    entries["torn"].write_bytes(entries["torn"].read_bytes()[:30])
+
+    with stopped_if_it_hangs():
+        again = inline.run(*inline.args(server, run_name="again", cache_dir=cache))
+    assert again.returncode == 0, again.stderr  # 130 would be a hang, stopped
+    assert again.stderr.count("a damaged entry was deleted and its reply asked of the endpoint") == 1  # two workers
+    assert sorted(r["prompt"] for r in server.requests()[len(names):]) == sorted([*DAMAGE, "torn"])
+    for path in cache.glob("??/*.json"):  # each damaged entry replaced by the reply asked again
+        journal.replayed(orjson.loads(path.read_bytes()))
+    third = inline.run(*inline.args(server, run_name="third", cache_dir=cache))
+    assert third.returncode == 0, third.stderr
+    assert len(server.requests()) == len(names) + len(DAMAGE) + 1  # every reply from the cache
+    assert _comparable(inline.run_dir()) == _comparable(inline.run_dir("third"))
+
+
+def test_a_damaged_journal_entry_is_asked_again_once(inline, scripted_server):
+    refused = {"status": 400, "error": "refused", "times": 1, "then": think()}
+    server = scripted_server({"default": [_turn("echo a", "a-c0"), refused]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "a"}])
+    failed = inline.run(*inline.args(server))
+    assert failed.returncode == 1, failed.stderr  # failed after one paid reply, which is journaled
+    [entry] = read_jsonl(inline.run_dir() / store.JOURNAL)
+    entry["message"]["content"] = 42  # a line that parses, with a reply that is not one
+    write_jsonl(inline.run_dir() / store.JOURNAL, [entry])
+    with stopped_if_it_hangs():
+        resumed = inline.run(*inline.args(server, resume=True))
+    assert resumed.returncode == 0, resumed.stderr  # 130 would be a hang, stopped
+    assert resumed.stderr.count("journal.jsonl holds a damaged reply of prompt") == 1
+    assert _asked(server) == Counter({("a", 0): 2, ("a", 1): 2})
+    assert read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]["metadata"]["usage"]["replayed"]["turns"] == 0
+
+
+@pytest.mark.parametrize("damage", [*DAMAGE.values(), lambda entry: entry["message"].update(reasoning=[1]),
+                                    lambda entry: entry.update(timing={"first_byte": "soon"}),
+                                    lambda entry: entry.update(message=["a list"]), lambda entry: entry.clear()],
+                         ids=[*DAMAGE, "reasoning a list", "timing not seconds", "message a list", "empty"])
+def test_a_stored_reply_is_checked_as_a_live_one_is(damage):
+    reply = Reply({"role": "assistant", "content": None, "reasoning": "r",
+                   "tool_calls": [{"id": "c", "type": "function", "function": {"name": "terminal", "arguments": "{}"}}]},
+                  {"prompt_tokens": 3, "completion_tokens": 2, "reasoning_tokens": 1, "cost": 0.5},
+                  {"model": "m"}, {"first_byte": 0.1})
+    record = orjson.loads(orjson.dumps(journal.entry(Replied("k", 0, "h", reply))))
+    assert journal.replayed(record) == reply
+    assert journal.replayed({**record, "usage": {}}).usage == {}  # a reply that reported no usage
+    damage(record)
+    with pytest.raises(MalformedResponse):
+        journal.replayed(record)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from tests.conftest import read_jsonl, think, write_jsonl
+from tests.conftest import call, read_jsonl, think, write_jsonl
+from tests.support.inline import stopped_if_it_hangs
 from tests.test_guard_rails import prompt_requests
+from trajgen import agent
 
 
 def _call(function: dict | None = None, call_id: str | None = "c1") -> dict:
@@ -138,3 +140,57 @@ def test_a_tool_call_cut_by_the_token_limit_is_recorded_as_truncated_and_never_r
         stats = json.loads((run_dir / "statistics.json").read_text())
         assert stats["discarded"]["by_reason"] == {"truncated": 1}
     assert _asked(server) == Counter({("cut", 0): 1, ("fine", 0): 1})  # asked once, never a second turn
+
+
+def test_a_reply_with_reasoning_of_the_wrong_type_fails_its_prompt_and_never_hangs_the_run(inline, scripted_server):
+    odd = {"reasoning details not a list": {"role": "assistant", "content": "an answer", "reasoning_details": 5},
+           "reasoning not text": {"role": "assistant", "content": "an answer", "reasoning": {"text": "r"}}}
+    script = {"prompts": {p: [{"message": message}] for p, message in odd.items()}, "default": [think()]}
+    server = scripted_server(script)
+    dataset = [*odd, "healthy"]
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
+    with stopped_if_it_hangs():
+        done = inline.run(*inline.args(server, stream=False))
+    assert done.returncode == 1, done.stderr  # 130 would be a hang, stopped
+    assert "Traceback" not in done.stderr
+    failures = {dataset[f["prompt_index"]]: f for f in read_jsonl(inline.run_dir() / "failures.jsonl")}
+    assert {p: f["error_class"] for p, f in failures.items()} == dict.fromkeys(odd, "MalformedResponse")
+    assert "reasoning_details that are not a list: 5" in failures["reasoning details not a list"]["message"]
+    assert "reasoning that is not text" in failures["reasoning not text"]["message"]
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == ["healthy"]
+
+    server.set_script({"default": [think()]})
+    resumed = inline.run(*inline.args(server, stream=False, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == sorted(dataset)
+    assert _asked(server) == Counter({(p, 0): 2 for p in odd} | {("healthy", 0): 1})
+
+
+def test_an_error_nobody_foresaw_after_the_replies_fails_its_prompt_with_its_traceback(inline, scripted_server,
+                                                                                       monkeypatch):
+    """A bug in rendering the row (or in verify, or in deciding) ends the prompt as InternalError, with
+    what it paid; its replies are journaled, so the resume that renders it pays for none of them again."""
+    render_row = agent.render_row
+
+    def broken(task, *args, **kwargs):
+        if task.prompt == "unlucky":
+            raise RuntimeError("a bug in rendering")
+        return render_row(task, *args, **kwargs)
+
+    monkeypatch.setattr(agent, "render_row", broken)
+    server = scripted_server({"default": [call("terminal", command="echo hi"), think()]})
+    dataset = ["unlucky", "lucky"]
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in dataset])
+    with stopped_if_it_hangs():
+        done = inline.run(*inline.args(server))
+    assert done.returncode == 1, done.stderr  # 130 would be a hang, stopped
+    [failure] = read_jsonl(inline.run_dir() / "failures.jsonl")
+    assert (failure["error_class"], failure["message"]) == ("InternalError", "RuntimeError: a bug in rendering")
+    assert "broken" in failure["traceback"] and failure["usage"]["prompt_tokens"] == 20  # both replies, paid
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == ["lucky"]
+
+    monkeypatch.setattr(agent, "render_row", render_row)
+    resumed = inline.run(*inline.args(server, resume=True))
+    assert resumed.returncode == 0, resumed.stderr
+    assert _prompts(inline.run_dir() / "trajectories.jsonl") == sorted(dataset)
+    assert all(n == 1 for n in _asked(server).values())  # the journal replayed both of its replies

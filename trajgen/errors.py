@@ -93,12 +93,27 @@ class RowNotSerializable(InternalError):
     parent never meets a bad row."""
 
 
-class DiskFull(Exception):
-    """No space left on the device of the run directory: the run stops with every row already written kept."""
+class Unwritable(Exception):
+    """The run directory cannot be written: the run stops with every row already written kept, and
+    `fix` says what to do before resuming."""
+
+    def __init__(self, path, what: str, fix: str):
+        super().__init__(f"{what} writing {path}")
+        self.path, self.fix = path, fix
+
+
+class DiskFull(Unwritable):
+    """No space left on the device of the run directory."""
 
     def __init__(self, path):
-        super().__init__(f"no space left on the device writing {path}")
-        self.path = path
+        super().__init__(path, "no space left on the device", "free some space")
+
+
+class ReadOnly(Unwritable):
+    """The run directory turned read-only or forbidden under the run (a remount, chmod, chattr +i)."""
+
+    def __init__(self, path, strerror: str):
+        super().__init__(path, strerror.lower(), "make the run directory writable again")
 
 
 class APIError(Exception):

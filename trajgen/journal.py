@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import orjson
 
 from trajgen import chat_calls, locks, store
-from trajgen.errors import DiskFull, UsageError
+from trajgen.errors import MalformedResponse, Unwritable, UsageError
 from trajgen.messages import Event, Notice, Replied
-from trajgen.model import USAGE_KEYS, ModelClient, Reply
+from trajgen.model import USAGE_KEYS, ModelClient, Reply, checked, counted
 from trajgen.task import ModelSettings, Task
 
 
@@ -54,20 +55,27 @@ class Cache:
         name = hashlib.sha256(f"{key}:{digest}".encode()).hexdigest()
         return self.dir / name[:2] / f"{name}.json"
 
-    def get(self, key: str, digest: str) -> Reply | None:
+    def get(self, key: str, digest: str) -> bytes | None:
+        """The entry's bytes, unchecked (`replayed` checks them), or None when there is none."""
         path = self.path(key, digest)
         try:
-            entry = orjson.loads(path.read_bytes())
-        except (OSError, ValueError):  # absent, or damaged: ask the endpoint
+            data = path.read_bytes()
+        except OSError:
             return None
         try:
             os.utime(path)  # recently used: trimmed last
         except OSError:  # a cache shared read-only: its replies are used all the same
             pass
+        return data
+
+    def evict(self, key: str, digest: str, why: Exception) -> Notice | None:
+        """Delete an entry that is not a sound reply: it would fail its prompt on every run."""
         try:
-            return _reply(entry)
-        except (KeyError, TypeError):
-            return None
+            self.path(key, digest).unlink(missing_ok=True)
+        except OSError:  # read-only: the entry stays, and is asked of the endpoint again each time
+            pass
+        return self._once("cache damaged", f"--cache_dir {self.dir}: a damaged entry was deleted and its reply "
+                                           f"asked of the endpoint ({why}); any other is treated alike")
 
     def put(self, key: str, digest: str, reply: Reply) -> Notice | None:
         """A cache that cannot be written (full, read-only) costs the next run a call, not this prompt;
@@ -81,8 +89,8 @@ class Cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             store.atomic_write(path, data)
-        except (OSError, DiskFull) as e:
-            why = e.__cause__ if isinstance(e, DiskFull) else e
+        except (OSError, Unwritable) as e:
+            why = e.__cause__ if isinstance(e, Unwritable) else e
             return self._once("cache unwritable", f"--cache_dir {self.dir} cannot be written ({why.strerror or why}): "
                                                   "the replies of this run are not kept for the next")
         return None
@@ -131,7 +139,13 @@ class JournalModel:
     def __init__(self, model: ModelClient, settings: ModelSettings, task: Task, send: Callable[[Event], None],
                  cache: Cache | None):
         self.model, self.settings, self.key, self.send, self.cache = model, settings, task.key, send, cache
-        self.journaled = {(e["turn"], e["hash"]): _reply(e) for e in task.replay}
+        self.journaled: dict[tuple[int, str], Reply] = {}
+        for entry in task.replay:
+            try:
+                self.journaled[(entry["turn"], entry["hash"])] = replayed(entry)
+            except MalformedResponse as e:  # as if never journaled: asked again, and the new reply journaled
+                send(Notice("journal damaged", f"{store.JOURNAL} holds a damaged reply of prompt {self.key} ({e}): "
+                                               "it is asked for, and paid for, again; any other is treated alike"))
         self.turn = 0
         self.replayed = empty_replayed()  # what this prompt did not pay for again; its usage still counts it
 
@@ -140,7 +154,7 @@ class JournalModel:
         digest = request_hash(self.settings, messages, tools, forbid_tools)
         reply = self.journaled.get((turn, digest))
         if reply is None and self.cache is not None:
-            reply = await asyncio.to_thread(self.cache.get, self.key, digest)
+            reply = await self._cached(digest)
         if reply is not None:
             self._count(reply)
             return reply
@@ -149,6 +163,18 @@ class JournalModel:
         if self.cache is not None and (notice := await asyncio.to_thread(self.cache.put, self.key, digest, reply)):
             self.send(notice)
         return reply
+
+    async def _cached(self, digest: str) -> Reply | None:
+        """The cached reply to this request, if there is a sound one; a damaged one is evicted."""
+        data = await asyncio.to_thread(self.cache.get, self.key, digest)
+        if data is None:
+            return None
+        try:
+            return replayed(orjson.loads(data))
+        except (orjson.JSONDecodeError, MalformedResponse) as e:
+            if notice := await asyncio.to_thread(self.cache.evict, self.key, digest, e):
+                self.send(notice)
+            return None
 
     def _count(self, reply: Reply) -> None:
         self.replayed["turns"] += 1
@@ -169,6 +195,17 @@ def _record(reply: Reply) -> dict:
             "finish_reason": reply.finish_reason}
 
 
-def _reply(record: dict) -> Reply:
-    return Reply(record["message"], record["usage"], record.get("served_by", {}), record.get("timing", {}),
-                 record.get("finish_reason"))
+def replayed(record) -> Reply:
+    """A reply kept by `_record`, checked as a live one is (model.checked), since a file may have been
+    damaged or edited since: MalformedResponse when it is not a reply the loop can use."""
+    if not isinstance(record, dict):
+        raise MalformedResponse(f"the stored reply is not an object: {str(record)[:200]}")
+    message, usage = record.get("message"), record.get("usage")
+    served_by, timing = record.get("served_by", {}), record.get("timing", {})
+    for name, value in (("message", message), ("usage", usage), ("served_by", served_by), ("timing", timing)):
+        if not isinstance(value, dict):
+            raise MalformedResponse(f"the stored reply's {name} is not an object: {str(value)[:200]}")
+    if not all(type(seconds) in (int, float) for seconds in timing.values()):
+        raise MalformedResponse(f"the stored reply's timing is not in seconds: {str(timing)[:200]}")
+    reply = checked(message, counted(usage) if usage else {})  # a reply without usage replays without it
+    return replace(reply, served_by=served_by, timing=timing, finish_reason=record.get("finish_reason"))

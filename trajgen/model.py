@@ -71,18 +71,26 @@ def reply_usage(usage, price_per_mtok: tuple[float, float] | None = None) -> dic
         raise MalformedResponse(f"the reply's usage is not an object: {_short(usage)}")
     details = usage.get("completion_tokens_details")
     details = details if isinstance(details, dict) else {}
-    counts = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-              "reasoning_tokens": details.get("reasoning_tokens")}
-    unknown = counts["prompt_tokens"] is None and counts["completion_tokens"] is None
-    counts = {key: 0 if value is None else value for key, value in counts.items()}  # null counts as absent
+    unknown = usage.get("prompt_tokens") is None and usage.get("completion_tokens") is None
+    counts = counted({"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+                      "reasoning_tokens": details.get("reasoning_tokens"), "cost": usage.get("cost"),
+                      UNKNOWN: int(unknown)})
+    if counts["cost"] is None and price_per_mtok is not None and not unknown:
+        counts["cost"] = (counts["prompt_tokens"] * price_per_mtok[0]
+                          + counts["completion_tokens"] * price_per_mtok[1]) / 1e6
+    return counts
+
+
+def counted(usage: dict) -> dict:
+    """A reply's usage as a Reply holds it (USAGE_KEYS, cost, UNKNOWN), from the endpoint's or as stored
+    by the journal or the cache; counts that are not counts are refused."""
+    counts = {key: 0 if usage.get(key) is None else usage[key] for key in USAGE_KEYS}  # null counts as absent
     for key, value in counts.items():
         if type(value) is not int or value < 0:
             raise MalformedResponse(f"the reply's usage has {key} {_short(value)}, not a token count")
     cost = usage.get("cost")
     cost = cost if type(cost) in (int, float) and 0 <= cost < float("inf") else None
-    if cost is None and price_per_mtok is not None and not unknown:
-        cost = (counts["prompt_tokens"] * price_per_mtok[0] + counts["completion_tokens"] * price_per_mtok[1]) / 1e6
-    return {**counts, "cost": cost, **({UNKNOWN: 1} if unknown else {})}
+    return {**counts, "cost": cost, **({UNKNOWN: 1} if usage.get(UNKNOWN) else {})}
 
 
 def no_usage() -> dict:
@@ -105,13 +113,19 @@ def checked(message: dict, usage: dict) -> Reply:
     specifies, and the transcript carries that string, so the row replays exactly what was sent
     back to the model (a call without an id gets one from the loop, likewise). Anything that would
     change the data is refused: a call without a function or a string function name, arguments of
-    another type, two calls with one id, content that is not text, a reply with nothing in it."""
+    another type, two calls with one id, content or reasoning that is not text, reasoning_details
+    that are not a list, a reply with nothing in it."""
     def bad(what: str) -> MalformedResponse:
         return MalformedResponse(f"the reply {what}", usage)
 
     content = message.get("content")
     if content is not None and not isinstance(content, str):
         raise bad(f"has content that is not text: {_short(content)}")
+    for name in ("reasoning", "reasoning_content"):
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise bad(f"has {name} that is not text: {_short(message[name])}")
+    if message.get("reasoning_details") is not None and not isinstance(message["reasoning_details"], list):
+        raise bad(f"has reasoning_details that are not a list: {_short(message['reasoning_details'])}")
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list):
         raise bad(f"has tool_calls that are not a list: {_short(calls)}")

@@ -83,11 +83,14 @@ class _Worker:
         self.send(Retrying(_PROMPT.get(""), cause, attempt, retries, wait))
 
     async def run_one(self, task: Task) -> None:
-        """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run."""
+        """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run. Every
+        prompt sent here ends with a Finished: an error nobody foresaw fails it, never leaves it in flight."""
         _PROMPT.set(task.key)  # this prompt's own asyncio task: its context is its own
         prompt = _Prompt(task, self.config)
         try:
             outcome = await self._converse(task, prompt)
+        except Exception as e:  # _converse decides its own errors: this is a bug in deciding one
+            outcome = decide(task, error=e)
         finally:
             await prompt.close()
             self.running.pop(task.key, None)
@@ -100,28 +103,30 @@ class _Worker:
         self.send(Finished(outcome))
 
     async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
-        tools, schemas = self.tools_for(task.toolsets_offered)
+        """The conversation, its row, its check and its outcome: an error at any of these steps fails
+        the prompt with what it paid (resume retries it)."""
         endpoint = OpenAIModel(self.endpoint, self.config.model, on_throttle=lambda: self.send(Throttled()),
                                on_retry=self.retrying)
         paid = Metered(endpoint)  # what this attempt paid, so a failed prompt still counts it
-        model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
+            tools, schemas = self.tools_for(task.toolsets_offered)
+            model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
             async with deadline:
                 conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx)
+            row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
+            row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
+            row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
+            row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
+            return decide(task, row=row, files=prompt.ctx.files)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
                 return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
             timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
             return decide(task, error=timeout, usage={**paid.usage, "stalls": endpoint.stalls})
-        except Exception as e:  # any other error fails this prompt only; resume retries it
+        except Exception as e:  # any other error fails this prompt only, with its traceback if nobody foresaw it
             return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
-        row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
-        row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
-        row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
-        row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
-        return decide(task, row=row, files=prompt.ctx.files)
 
     async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
         """Every finished conversation is checked, a discarded one too (the statistics count every

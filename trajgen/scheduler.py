@@ -260,6 +260,8 @@ class Scheduler:
             self.end.fatal = self.limits.health_check()
         if signals.first is not None or self.end.fatal is not None or self.end.budget is not None:
             return True
+        if self.writer.error is not None:  # the run directory cannot be written: stop as on a signal, close raises it
+            return True
         return self.exhausted and self.pool.inflight == 0
 
     def execute(self, tasks: Iterator[Task], on_exit: Callable[[], None]) -> RunEnd:

@@ -5,8 +5,8 @@ journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manif
 run's settings), checkpoint.json (progress), statistics.json and trajectories.jsonl (the merge).
 Rows are appended as whole lines with one write and fsynced per batch; the JSON files are
 replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh
-line, so a line torn by a kill or a full disk never swallows the next record; a full disk stops
-the run with DiskFull and the rows already written kept.
+line, so a line torn by a kill or a full disk never swallows the next record; a full disk (DiskFull)
+or a run directory turned read-only (ReadOnly) stops the run with the rows already written kept.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Iterator
 import orjson
 
 from trajgen import locks
-from trajgen.errors import DiskFull, UsageError
+from trajgen.errors import DiskFull, ReadOnly, Unwritable, UsageError
 
 BATCH_FILE = re.compile(r"batch_(\d+)\.jsonl$")
 ROW_START = re.compile(rb'\{"prompt_index":\d+,"metadata":\{"prompt_key":"([^"\\]+)"')  # as encode_row starts a row
@@ -53,12 +53,14 @@ class UnreadableFile(UsageError):
 
 @contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Turn "no space left" while writing `path` into DiskFull naming it."""
+    """Turn "no space left" or "read-only" while writing `path` into DiskFull or ReadOnly naming it."""
     try:
         yield
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(path) from e
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnly(path, e.strerror or str(e)) from e
         raise
 
 
@@ -282,7 +284,8 @@ class AppendFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)  # rows may hold what users keep private
+        with writing(path):
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)  # rows may hold what users keep private
         size = os.fstat(self.fd).st_size
         self.torn = bool(size) and os.pread(self.fd, 1, size - 1) != b"\n"
         self.unsynced = False  # written since its last fsync
@@ -331,7 +334,8 @@ class RowFiles:
             path = self.run_dir / name
             if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise ValueError(f"a tool's file {name!r} is not inside the run directory")
-            path.parent.mkdir(parents=True, exist_ok=True)
+            with writing(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, data)
 
     def sync_side(self) -> None:
@@ -397,7 +401,8 @@ class Journal:
         with open(path, "rb") as f:
             data = f.read()
         done = data.rfind(b"\n") + 1  # whole lines only: an append may be under way
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with writing(path):
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with writing(path), os.fdopen(fd, "wb") as f:
                 f.write(_without(data[:done], landed))
@@ -421,22 +426,18 @@ class Journal:
 
 
 class Checkpointer:
-    """The latest checkpoint, written at most once per CHECKPOINT_SECONDS; newer payloads replace
-    older unwritten ones. An older checkpoint after a crash costs the resume only time: the files
-    it does not list yet have their lines parsed."""
+    """The latest checkpoint, written at most once per CHECKPOINT_SECONDS by the writer's thread;
+    newer payloads replace older unwritten ones. An older checkpoint after a crash costs the resume
+    only time: the files it does not list yet have their lines parsed."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._lock = threading.Lock()
         self._waiting: dict | None = None  # the latest payload not yet written
         self._written = -CHECKPOINT_SECONDS  # when the last one was written (time.monotonic)
 
-    def offer(self, payload: dict) -> bool:
-        """Keep the payload; True if none was waiting (the writer's thread must be told)."""
-        with self._lock:
-            queued = self._waiting is not None
-            self._waiting = payload
-        return not queued
+    def offer(self, payload: dict) -> None:
+        """Keep the payload, in place of any older one still waiting."""
+        self._waiting = payload
 
     def due(self) -> float | None:
         """Seconds until the waiting checkpoint may be written; None when none waits."""
@@ -445,8 +446,7 @@ class Checkpointer:
         return max(0.0, self._written + CHECKPOINT_SECONDS - time.monotonic())
 
     def write_waiting(self, batch_files: set[int]) -> None:
-        with self._lock:
-            payload, self._waiting = self._waiting, None
+        payload, self._waiting = self._waiting, None
         self.write(payload, batch_files)
         self._written = time.monotonic()
 
@@ -466,30 +466,32 @@ class Writer:
         self.replies = Journal(run_dir)
         self.checkpoints = Checkpointer(run_dir / CHECKPOINT)
         self._jobs: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None  # the first failure, raised at the next write or at close
+        self.error: BaseException | None = None  # the first failure: the run stops at it, and close raises it
         self._compact_later()
         self._thread = threading.Thread(target=self._sync_loop, name="fsync", daemon=True)
         self._thread.start()
 
-    def _write(self, append, *args) -> None:
-        if self._error:
-            raise self._error
+    def _write(self, append, *args) -> bool:
+        """Whether it was written. A run directory that cannot be written does not raise here: the
+        first such failure is kept in `error`, which stops the run (the scheduler asks), and what
+        still arrives is written if it can be (a file already open, the journal, still takes it)."""
         try:
             append(*args)
-        except DiskFull as e:  # the first full write is the one to report, whatever fails after it
-            self._error = e
-            raise
+        except Unwritable as e:  # the first is the one to report, whatever fails after it
+            self.error = self.error or e
+            return False
+        return True
 
     def row(self, batch_num: int, key: str, row: orjson.Fragment) -> None:  # serialised by the worker
-        self._write(self.rows.row, batch_num, row)
-        self.replies.land(key)
+        if self._write(self.rows.row, batch_num, row):
+            self.replies.land(key)
 
     def user_files(self, files: dict[str, bytes]) -> None:
-        self.rows.user_files(files)
+        self._write(self.rows.user_files, files)
 
     def discarded(self, record: dict) -> None:
-        self._write(self.rows.side[DISCARDED].append, record)
-        self.replies.land(record["prompt_key"])
+        if self._write(self.rows.side[DISCARDED].append, record):
+            self.replies.land(record["prompt_key"])
 
     def failed(self, record: dict) -> None:
         self._write(self.rows.side[FAILURES].append, record)
@@ -508,20 +510,22 @@ class Writer:
             self._compact_later()
 
     def checkpoint(self, payload: dict) -> None:
-        """Written after everything queued before it is on disk."""
-        if self.checkpoints.offer(payload):
-            self._jobs.put("checkpoint")
+        """Written after everything queued before it is on disk: the payload travels in its job, so
+        the thread never writes it ahead of a batch that ended before it."""
+        self._jobs.put(("checkpoint", payload))
 
     def _sync_loop(self) -> None:
         while True:
             try:
                 job = self._jobs.get(timeout=self.checkpoints.due())
             except queue.Empty:  # the waiting checkpoint is due
-                job = "checkpoint"
+                job = ("checkpoint", None)
             if job == "stop":
                 return
             try:
-                if job == "checkpoint":
+                if job[0] == "checkpoint":
+                    if job[1] is not None:
+                        self.checkpoints.offer(job[1])
                     if self.checkpoints.due() == 0:  # else written when due: the queue's timeout
                         self.checkpoints.write_waiting(self.rows.synced)
                 elif job[0] == "compact":
@@ -533,7 +537,7 @@ class Writer:
                     if file is not None:
                         self.rows.finish(batch_num, file)
             except BaseException as e:
-                self._error = self._error or e
+                self.error = self.error or e
 
     def close(self, final_checkpoint: dict) -> None:
         """Flush everything; the final checkpoint is written last, after every batch is on disk
@@ -547,8 +551,8 @@ class Writer:
         try:
             self.checkpoints.write(final_checkpoint, self.rows.synced)
         except BaseException as e:
-            self._error = self._error or e
+            self.error = self.error or e
         self.rows.close()
         self.replies.close()
-        if self._error:
-            raise self._error
+        if self.error:
+            raise self.error

@@ -123,6 +123,18 @@ def interrupt() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@contextlib.contextmanager
+def stopped_if_it_hangs(seconds: float = 120) -> Iterator[None]:
+    """Ctrl-C to a run in this process that is still going after `seconds`: a hang shows as a run
+    stopped by SIGINT (exit status 130), with its prompts in flight, instead of a test that never ends."""
+    timer = threading.Timer(seconds, interrupt)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def _exit_status(exit: SystemExit, stderr: io.StringIO) -> int:
     """The status the interpreter would exit with: sys.exit("text") prints the text and exits 1."""
     if exit.code is None or isinstance(exit.code, int):
