@@ -12,8 +12,8 @@ from trajgen import dry_run, store
 
 
 def prompt_requests(server) -> list[dict]:
-    """The server's requests less the one-token probe a spend limit sends before the run."""
-    return [r for r in server.requests() if r["body"].get("max_tokens") != 1]
+    """The server's requests less the probes (a spend limit's before the run, --dry_run's): `ping`."""
+    return [r for r in server.requests() if r["prompt"] != "ping"]
 
 
 def test_export_of_a_missing_run_is_a_usage_error(inline):
