@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import ROOT, Inline, when
+from tests.test_guard_rails import prompt_requests
 from trajgen import compare, dataset, modes
 from trajgen.errors import UsageError
 from trajgen.options import RunOptions
@@ -395,10 +396,10 @@ def test_a_cost_limit_is_shared_out_exactly_and_a_resume_gets_it_again(inline):
         args = inline.args(server, run_name="eval", model=None, models="a,b,c", concurrency=1, num_workers=1,
                            max_cost=0.009)
         done = inline.run(*args)
-        asked = [r["body"]["model"] for r in server.requests()]
+        asked = [r["body"]["model"] for r in prompt_requests(server)]
         compared = json.loads((inline.run_dir("eval") / "comparison.json").read_text())
         again = inline.run(*args, "--resume")
-        asked_again = [r["body"]["model"] for r in server.requests()][len(asked):]
+        asked_again = [r["body"]["model"] for r in prompt_requests(server)][len(asked):]
     finally:
         server.stop()
     assert done.returncode == 3, done.stderr
