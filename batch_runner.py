@@ -59,9 +59,9 @@ def cli(argv: list[str]) -> None:
     from trajgen import console
 
     if command_line.wants_help(argv):
-        from trajgen import usage
+        from trajgen import help_text
 
-        print(usage.help_text(shlex.join(console.invocation()), SUMMARY))
+        print(help_text.help_text(shlex.join(console.invocation()), SUMMARY))
         return
     try:
         parsed = command_line.parse(argv)

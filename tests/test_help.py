@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, in_terminal
-from trajgen import options, tool_check, usage
+from trajgen import help_text, options, tool_check
 from trajgen.sandbox import apptainer
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS
 from trajgen.options import RunOptions
@@ -27,13 +27,13 @@ def test_every_flag_has_a_help_group():
 
 def test_the_help_names_every_flag_once_first_run_flags_first(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
-    text = usage.help_text("python batch_runner.py", "Summary.")
+    text = help_text.help_text("python batch_runner.py", "Summary.")
     names = ENTRY.findall(text)
     assert sorted(names) == sorted(f.name for f in options.FIELDS)
     first = [f.name for f in options.FIELDS if f.metadata["first_run"]]
     assert names[:len(first)] == first and "dataset_file" in first and "base_url" in first
     titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert titles == [usage.FIRST_RUN_TITLE, *options.GROUPS.values()]
+    assert titles == [help_text.FIRST_RUN_TITLE, *options.GROUPS.values()]
     assert "[default: anthropic/claude-sonnet-4.6]" in " ".join(text.split())  # in full, however it wraps
 
 
@@ -41,8 +41,8 @@ def test_the_help_names_every_flag_once_first_run_flags_first(monkeypatch):
 @pytest.mark.parametrize("listing", ["help", "distributions", "tools"])
 def test_listings_fit_the_terminal_and_cut_no_name(monkeypatch, listing, columns):
     monkeypatch.setenv("COLUMNS", str(columns))
-    text = {"help": lambda: usage.help_text("python batch_runner.py", "Summary."),
-            "distributions": usage.distributions_text,
+    text = {"help": lambda: help_text.help_text("python batch_runner.py", "Summary."),
+            "distributions": help_text.distributions_text,
             "tools": lambda: tool_check.listing(RunOptions(unsafe_local=True))}[listing]()
     assert max(len(line) for line in text.splitlines()) <= columns
     assert "…" not in text and "..." not in text

@@ -83,7 +83,7 @@ def test_an_awkward_stream_assembles_into_the_unstreamed_message(scripted_server
 def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypatch, fault, retried):
     """A mid-stream error is retried as the status it names (a `server_error` as a 500); the retry
     is announced with its cause as the progress line words it."""
-    from trajgen.process_pool import _Worker
+    from trajgen.worker import Worker
     monkeypatch.setattr(chat_calls, "BACKOFF_BASE", 0.05)
     monkeypatch.setattr(chat_calls, "backoff", lambda previous: 0.05)
     server = scripted_server({"default": [{"content": "a long answer", "pieces": 2, **fault, "times": 1,
@@ -91,7 +91,7 @@ def test_faults_mid_stream_follow_the_one_retry_policy(scripted_server, monkeypa
     announced = []
     worker = SimpleNamespace(send=announced.append)
     settings = _settings(server, max_retries=1, stall_timeout=0.5)
-    (result,), stalls = _call(settings, on_retry=lambda *args: _Worker.retrying(worker, *args))
+    (result,), stalls = _call(settings, on_retry=lambda *args: Worker.retrying(worker, *args))
     if retried:
         assert result.message["content"] == "fine" and server.stats()["requests"] == 2
         assert [(r.cause, r.attempt, r.wait) for r in announced] == [(retried, 1, 0.05)]

@@ -2,7 +2,7 @@
 models, the viewer, or one run. It sits above run.py and several_models.py, which runs run.py's runs."""
 from __future__ import annotations
 
-from trajgen import run, usage
+from trajgen import help_text, run
 from trajgen.options import RunOptions
 from trajgen.tools import mcp_config
 
@@ -11,7 +11,7 @@ def main(opts: RunOptions) -> int:
     """The exit status of whatever the options ask for."""
     if opts.list_distributions:
         servers = mcp_config.load_config(opts.mcp_config) if opts.mcp_config else ()
-        print(usage.distributions_text(tuple(s.name for s in servers)))
+        print(help_text.distributions_text(tuple(s.name for s in servers)))
         return 0
     if opts.list_tools:
         from trajgen import tool_check

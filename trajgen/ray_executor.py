@@ -3,7 +3,7 @@
 It has the process pool's interface (`start`, `submit`, `poll`, `cancel`, `kill`, `close`,
 `inflight`) and moves the same Task, PromptOutcome and events, so the parent stays the single writer of the
 run directory and files, resume and statistics are those of a process-pool run. Each actor is an
-asyncio actor running `_Worker.run_one` (the process pool's own code) for many conversations at
+asyncio actor running `Worker.run_one` (trajgen/worker.py) for many conversations at
 once, with its sandboxes on the node it landed on. As on the process pool's pipes, traffic goes in
 batches: the prompts for an actor in one `submit` call per poll, everything it has to say (outcomes
 included) in the reply to one long-polled `events` call, which gathers what happens within 10 ms of
@@ -34,7 +34,7 @@ from trajgen.plan import needs_sandbox
 from trajgen.sandbox import BackendUnreachable
 from trajgen.sandbox.backends import bwrap_problem, check_images, cleanup
 from trajgen.task import Task, WorkerConfig
-from trajgen.process_pool import _Worker
+from trajgen.worker import Worker
 
 try:
     import ray
@@ -108,7 +108,7 @@ class _RayWorker:
         self.outbox: list[Event] = []
         self.news = asyncio.Event()
         self.later: asyncio.TimerHandle | None = None  # wakes `events` for what is not urgent
-        self.worker = _Worker(config, self._send)
+        self.worker = Worker(config, self._send)
 
     def _send(self, message: Event) -> None:
         self.outbox.append(message)

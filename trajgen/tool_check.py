@@ -10,7 +10,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from trajgen import registry, usage
+from trajgen import help_text, registry
 from trajgen.distributions import TOOLSETS
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions
@@ -41,7 +41,7 @@ def listing(opts: RunOptions) -> str:
                 reason = key_missing
             tools.append((tool.name, reason, _reach(opts) if tool.name in FETCHING or toolset == "browser" else ""))
         toolsets[toolset] = tools
-    return usage.tools_text(opts.backend, toolsets, sandbox)
+    return help_text.tools_text(opts.backend, toolsets, sandbox)
 
 
 def _reach(opts: RunOptions) -> str:

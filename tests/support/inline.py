@@ -1,7 +1,7 @@
 """A whole run in the test's own process: `python batch_runner.py ...` as a function call.
 
 Everything but the processes is the CLI's: its argument check, `trajgen.run`, the scheduler, the store,
-the journal, the merge, and the workers' own conversation code (`trajgen.process_pool._Worker`) against
+the journal, the merge, and the workers' own conversation code (`trajgen.worker.Worker`) against
 the loopback scripted server, with real sandboxes. Only the process pool is replaced, by `InlinePool`:
 the workers' conversations on one event loop in a thread of this process. A run costs no interpreter,
 imports, fork server or workers, so it takes a fraction of a second instead of about four.
@@ -34,7 +34,8 @@ import batch_runner
 from trajgen import console, store
 from trajgen import run as run_module
 from trajgen.messages import Event, Finished
-from trajgen.process_pool import _Outbox, _Worker
+from trajgen.process_pool import _Outbox
+from trajgen.worker import Worker
 from trajgen.task import Task, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,14 +168,14 @@ def _run_dir_locks(under: Path) -> dict[int, Path]:
 
 
 class InlinePool:
-    """The process pool's workers (`_Worker`, each its share of the concurrency, and its `_Outbox`) as
+    """The process pool's workers (`Worker`, each its share of the concurrency, and its `_Outbox`) as
     conversations on one event loop in a thread of this process: they go on while the scheduler records,
     as worker processes do; a queue stands for the pipes."""
 
     def __init__(self, num_workers: int, config: WorkerConfig):
         self.num_workers, self.config = num_workers, config
-        self.workers: dict[_Worker, set[str]] = {}  # -> the keys of its prompts in flight
-        self.submitted: dict[_Worker, list[Task]] = {}  # handed over together at the next poll, as Submits are
+        self.workers: dict[Worker, set[str]] = {}  # -> the keys of its prompts in flight
+        self.submitted: dict[Worker, list[Task]] = {}  # handed over together at the next poll, as Submits are
         self.batches: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()  # what the workers' outboxes send
 
     def start(self) -> None:
@@ -182,7 +183,7 @@ class InlinePool:
         self.thread = threading.Thread(target=self.loop.run_forever, name="inline-workers", daemon=True)
         self.thread.start()
         self.outboxes = [_Outbox(SimpleNamespace(send=self.batches.put)) for _ in range(self.num_workers)]
-        self.workers = {_Worker(self.config, outbox.send): set() for outbox in self.outboxes}
+        self.workers = {Worker(self.config, outbox.send): set() for outbox in self.outboxes}
 
     def _in_loop(self, coroutine) -> None:
         asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
@@ -197,7 +198,7 @@ class InlinePool:
         self.submitted.setdefault(worker, []).append(task)
 
     @staticmethod
-    def _start(worker: _Worker, tasks: list[Task]) -> None:
+    def _start(worker: Worker, tasks: list[Task]) -> None:
         for task in tasks:
             worker.running[task.key] = asyncio.create_task(worker.run_one(task))
 

@@ -1,0 +1,166 @@
+"""One worker's conversations: each prompt run to its outcome in its own asyncio task.
+
+Any executor runs these as they are: the process pool (trajgen/process_pool.py) in forked processes, the
+Ray actors (trajgen/ray_executor.py), and the tests in their own process (tests/support/inline.py). The
+worker only sends events (`send`); it never writes the run directory.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from trajgen import agent, chat_calls, journal, registry, verify
+from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout
+from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
+from trajgen.model import Metered, OpenAIModel
+from trajgen.outcome import PromptOutcome, decide
+from trajgen.sandbox import Sandbox
+from trajgen.sandbox.backends import open_sandbox
+from trajgen.tools import ToolContext, ToolSpec
+from trajgen.task import Task, WorkerConfig
+
+_PROMPT: contextvars.ContextVar[str] = contextvars.ContextVar("prompt")  # the key of the prompt a call is made for
+
+
+class _Prompt:
+    """One prompt's lazily opened sandbox and the cleanups its tools registered."""
+
+    def __init__(self, task: Task, config: WorkerConfig):
+        self.task, self.config = task, config
+        self.sandbox: Sandbox | None = None
+        self.ctx = ToolContext(sandbox=self.get_sandbox, command_timeout=config.sandbox.command_timeout,
+                               settings=config.tools)
+
+    async def get_sandbox(self) -> Sandbox:
+        if self.sandbox is None:
+            self.sandbox = await asyncio.to_thread(
+                open_sandbox, self.config.sandbox, self.task.key, self.task.image, self.task.cwd
+            )
+        return self.sandbox
+
+    async def close(self) -> None:
+        closers = [c() for c in self.ctx.cleanups]
+        if self.sandbox is not None:
+            closers.append(self.sandbox.close())
+        await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))
+
+
+class Worker:
+    """A worker's conversations. `send` carries its events out: the process pool's pipe, or a Ray
+    actor's outbox in trajgen/ray_executor.py, which reuses `run_one` as it is."""
+
+    def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
+        self.config, self.send = config, send
+        self.endpoint = chat_calls.Endpoint(config.model, config.concurrency)
+        self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
+        self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
+        self.running: dict[str, asyncio.Task] = {}
+
+    def tools_for(self, toolsets: list[str]) -> tuple[list[ToolSpec], list[dict]]:
+        """Schemas are built once per toolset combination, not per prompt."""
+        combo = tuple(toolsets)
+        if combo not in self.schemas:
+            tools = registry.offered_tools(toolsets, self.config.unavailable_tools, self.config.mcp_tools)
+            self.schemas[combo] = (tools, [t.schema() for t in tools])
+        return self.schemas[combo]
+
+    def retrying(self, error: Exception, attempt: int, retries: int, wait: float) -> None:
+        """Tell the parent that the current prompt's call waits for a retry, and why."""
+        status = chat_calls.status_of(error)
+        cause = (f"HTTP {status}" if status is not None else "timeout" if isinstance(error, APITimeoutError)
+                 else "connection error")
+        self.send(Retrying(_PROMPT.get(""), cause, attempt, retries, wait))
+
+    async def run_one(self, task: Task) -> None:
+        """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run. Every
+        prompt sent here ends with a Finished: an error nobody foresaw fails it, never leaves it in flight."""
+        _PROMPT.set(task.key)  # this prompt's own asyncio task: its context is its own
+        prompt = _Prompt(task, self.config)
+        try:
+            outcome = await self._converse(task, prompt)
+        except Exception as e:  # _converse decides its own errors: this is a bug in deciding one
+            outcome = decide(task, error=e)
+        finally:
+            await prompt.close()
+            self.running.pop(task.key, None)
+        if outcome.reason == FatalAPIError.__name__:
+            self.send(Fatal(outcome.message))
+        elif outcome.reason == EndpointUnreachable.__name__:
+            self.send(Fatal(f"--base_url={self.config.model.base_url} cannot be reached: {outcome.message}", True))
+        elif outcome.traceback and self.config.verbose:
+            self.send(Log(f"{task.key}: {outcome.traceback}"))
+        self.send(Finished(outcome))
+
+    async def _converse(self, task: Task, prompt: _Prompt) -> PromptOutcome:
+        """The conversation, its row, its check and its outcome: an error at any of these steps fails
+        the prompt with what it paid (resume retries it)."""
+        endpoint = OpenAIModel(self.endpoint, self.config.model, on_throttle=lambda: self.send(Throttled()),
+                               on_retry=self.retrying)
+        paid = Metered(endpoint)  # what this attempt paid, so a failed prompt still counts it
+        deadline = asyncio.timeout(self.config.model.prompt_timeout)
+        try:
+            tools, schemas = self.tools_for(task.toolsets_offered)
+            model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
+            async with deadline:
+                conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
+                                                            schemas, prompt.ctx)
+            row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
+            row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
+            row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
+            row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
+            return decide(task, row=row, files=prompt.ctx.files)
+        except TimeoutError as e:
+            if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
+                return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
+            timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
+            return decide(task, error=timeout, usage={**paid.usage, "stalls": endpoint.stalls})
+        except Exception as e:  # any other error fails this prompt only, with its traceback if nobody foresaw it
+            return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
+
+    async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
+        """Every finished conversation is checked, a discarded one too (the statistics count every
+        sample the model finished); not journaled: a resumed sample is checked again."""
+        if task.verify is None:
+            return verify.UNVERIFIED
+        return await verify.run(task.verify, agent.final_answer(conversation), prompt.get_sandbox,
+                                self.config.verify_timeout)
+
+    async def serve(self, conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def deliver(messages: list) -> None:
+            for message in messages:
+                inbox.put_nowait(message)
+
+        def read() -> None:  # blocking pipe reads stay off the event loop
+            while True:
+                try:
+                    messages = conn.recv()
+                except (EOFError, OSError):
+                    messages = [Stop()]
+                loop.call_soon_threadsafe(deliver, messages)
+                if any(isinstance(m, Stop) for m in messages):
+                    return
+
+        threading.Thread(target=read, daemon=True).start()
+        while True:
+            match await inbox.get():
+                case Submit(task):
+                    self.running[task.key] = asyncio.create_task(self.run_one(task))
+                case Cancel():
+                    await self.cancel_all()
+                    self.send(Cancelled())
+                case Stop():
+                    await self.cancel_all()
+                    break
+        await self.endpoint.close()
+
+    async def cancel_all(self) -> None:
+        pending = list(self.running.values())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
