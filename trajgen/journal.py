@@ -137,10 +137,13 @@ class JournalModel:
     """One prompt's model: journaled or cached replies first, the endpoint otherwise."""
 
     def __init__(self, model: ModelClient, settings: ModelSettings, task: Task, send: Callable[[Event], None],
-                 cache: Cache | None):
+                 cache: Cache | None, role: str = "agent"):
         self.model, self.settings, self.key, self.send, self.cache = model, settings, task.key, send, cache
+        self.role = role  # the journal's entries of another role are not this model's (trajgen/roles.py)
         self.journaled: dict[tuple[int, str], Reply] = {}
         for entry in task.replay:
+            if entry.get("role", "agent") != role:
+                continue
             try:
                 self.journaled[(entry["turn"], entry["hash"])] = replayed(entry)
             except MalformedResponse as e:  # as if never journaled: asked again, and the new reply journaled
@@ -159,7 +162,7 @@ class JournalModel:
             self._count(reply)
             return reply
         reply = await self.model.complete(messages, tools, forbid_tools)
-        self.send(Replied(self.key, turn, digest, reply))
+        self.send(Replied(self.key, turn, digest, reply, self.role))
         if self.cache is not None and (notice := await asyncio.to_thread(self.cache.put, self.key, digest, reply)):
             self.send(notice)
         return reply
@@ -185,8 +188,9 @@ class JournalModel:
 
 
 def entry(message: Replied) -> dict:
-    """The journal line of a reply."""
-    return {"key": message.key, "turn": message.turn, "hash": message.request_hash, **_record(message.reply)}
+    """The journal line of a reply (an agent's reply names no role: journals of older runs replay as they are)."""
+    role = {} if message.role == "agent" else {"role": message.role}
+    return {"key": message.key, "turn": message.turn, **role, "hash": message.request_hash, **_record(message.reply)}
 
 
 def _record(reply: Reply) -> dict:

@@ -43,6 +43,7 @@ class Replied:
     turn: int
     request_hash: str
     reply: Reply
+    role: str = "agent"  # whose call: the agent's, or a side model's (trajgen/roles.py), each numbering its own turns
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,11 @@ class PromptOutcome:
 def decide(task: Task, row: dict | None = None, error: BaseException | None = None, usage: dict | None = None,
            files: dict[str, bytes] | None = None) -> PromptOutcome:
     """The outcome of a conversation that returned `row` (and `files` for the run directory) or
-    raised `error` after paying `usage`."""
+    raised `error` after paying `usage` (a row's own usage unless `usage` says what it paid in all)."""
     base = (task.key, task.prompt_index, task.batch_num)
     data = None
     if error is None:
-        usage = row["metadata"]["usage"]
+        usage = row["metadata"]["usage"] if usage is None else usage
         try:
             data = store.encode_row(row)
         except TypeError as e:

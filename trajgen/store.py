@@ -255,7 +255,7 @@ def _journal_entry(entry: dict) -> bool:
     """Whether a journal line is an entry that trajgen/journal.py can replay."""
     return (isinstance(entry.get("key"), str) and isinstance(entry.get("turn"), int)
             and isinstance(entry.get("hash"), str) and isinstance(entry.get("message"), dict)
-            and isinstance(entry.get("usage"), dict))
+            and isinstance(entry.get("usage"), dict) and isinstance(entry.get("role", "agent"), str))
 
 
 def _mtime(path: Path) -> int:

@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, verify
+from trajgen import agent, chat_calls, journal, registry, roles, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -20,7 +20,7 @@ from trajgen.outcome import PromptOutcome, decide
 from trajgen.sandbox import Sandbox
 from trajgen.sandbox.backends import open_sandbox
 from trajgen.tools import ToolContext, ToolSpec
-from trajgen.task import Task, WorkerConfig
+from trajgen.task import ModelSettings, Task, WorkerConfig
 
 _PROMPT: contextvars.ContextVar[str] = contextvars.ContextVar("prompt")  # the key of the prompt a call is made for
 
@@ -31,6 +31,7 @@ class _Prompt:
     def __init__(self, task: Task, config: WorkerConfig):
         self.task, self.config = task, config
         self.sandbox: Sandbox | None = None
+        self.side: dict[str, roles.SideModel] = {}  # the side models this prompt asked, by role
         self.ctx = ToolContext(sandbox=self.get_sandbox, command_timeout=config.sandbox.command_timeout,
                                settings=config.tools)
 
@@ -55,6 +56,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, send: Callable[[Event], None]):
         self.config, self.send = config, send
         self.endpoint = chat_calls.Endpoint(config.model, config.concurrency)
+        self.endpoints = {(config.model.base_url, config.model.api_key): self.endpoint}  # side models' too
         self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
@@ -66,6 +68,17 @@ class Worker:
             tools = registry.offered_tools(toolsets, self.config.unavailable_tools, self.config.mcp_tools)
             self.schemas[combo] = (tools, [t.schema() for t in tools])
         return self.schemas[combo]
+
+    def side_model(self, prompt: _Prompt, role: str, settings: ModelSettings) -> journal.JournalModel:
+        """The prompt's model for `role` (trajgen/roles.py), on the worker's pool for its endpoint."""
+        if role not in prompt.side:
+            endpoint = self.endpoints.setdefault((settings.base_url, settings.api_key),
+                                                 chat_calls.Endpoint(settings, self.config.concurrency))
+            paid = Metered(OpenAIModel(endpoint, settings, on_throttle=lambda: self.send(Throttled()),
+                                       on_retry=self.retrying))
+            model = journal.JournalModel(paid, settings, prompt.task, self.send, self.cache, role)
+            prompt.side[role] = roles.SideModel(model, paid)
+        return prompt.side[role].model
 
     def retrying(self, error: Exception, attempt: int, retries: int, wait: float) -> None:
         """Tell the parent that the current prompt's call waits for a retry, and why."""
@@ -111,14 +124,16 @@ class Worker:
             row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
             row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
             row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
-            return decide(task, row=row, files=prompt.ctx.files)
+            if prompt.side:
+                row["metadata"]["side_usage"] = roles.side_usage(prompt.side)
+            return decide(task, row=row, usage=roles.prompt_usage(row["metadata"]), files=prompt.ctx.files)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline
-                return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
+                return decide(task, error=e, usage={**roles.paid(paid, prompt.side), "stalls": endpoint.stalls})
             timeout = PromptTimeout(f"prompt ran past --prompt_timeout={self.config.model.prompt_timeout}s")
-            return decide(task, error=timeout, usage={**paid.usage, "stalls": endpoint.stalls})
+            return decide(task, error=timeout, usage={**roles.paid(paid, prompt.side), "stalls": endpoint.stalls})
         except Exception as e:  # any other error fails this prompt only, with its traceback if nobody foresaw it
-            return decide(task, error=e, usage={**paid.usage, "stalls": endpoint.stalls})
+            return decide(task, error=e, usage={**roles.paid(paid, prompt.side), "stalls": endpoint.stalls})
 
     async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
         """Every finished conversation is checked, a discarded one too (the statistics count every
@@ -157,7 +172,8 @@ class Worker:
                 case Stop():
                     await self.cancel_all()
                     break
-        await self.endpoint.close()
+        for endpoint in self.endpoints.values():
+            await endpoint.close()
 
     async def cancel_all(self) -> None:
         pending = list(self.running.values())
