@@ -40,7 +40,9 @@ def test_a_side_model_has_its_own_model_and_endpoint_and_none_of_the_agents_prom
     run = ModelSettings(model="m", base_url="http://a/v1", api_key="k", system_prompt="be brief", temperature=0.7,
                         extra_body={"provider": {"order": ["x"]}}, price_per_mtok=(1.0, 2.0))
     judge = roles.settings_for(run, "j", "http://b/v1", None)
-    assert (judge.model, judge.base_url, judge.api_key) == ("j", "http://b/v1", "k")
+    assert (judge.model, judge.base_url, judge.api_key) == ("j", "http://b/v1", "none")  # the run's key stays home
+    assert roles.settings_for(run, "j", None, None).api_key == "k"
+    assert roles.settings_for(run, "j", "http://b/v1", "kb").api_key == "kb"
     assert (judge.system_prompt, judge.temperature, judge.extra_body, judge.price_per_mtok) == ("", None, {}, None)
     assert roles.settings_for(run, None, None, None).price_per_mtok == (1.0, 2.0)  # the run's model, the run's price
 

@@ -18,9 +18,12 @@ Role = Literal["agent", "judge", "summary", "user"]
 
 def settings_for(run: ModelSettings, model: str | None, base_url: str | None, api_key: str | None) -> ModelSettings:
     """A side model's settings: the run's client settings (timeouts, retries, streaming) with its own
-    model and endpoint; none of the agent's prompt, prefill, sampling or provider routing."""
+    model and endpoint; none of the agent's prompt, prefill, sampling or provider routing. The run's key
+    goes only to the run's own endpoint (as --vision_api_key's does): another gets its own key or none."""
     same_model = model in (None, "", run.model)  # --price_per_mtok is the run's model's price
-    return replace(run, model=model or run.model, base_url=base_url or run.base_url, api_key=api_key or run.api_key,
+    base_url = base_url or run.base_url
+    api_key = api_key or (run.api_key if base_url == run.base_url else "none")
+    return replace(run, model=model or run.model, base_url=base_url, api_key=api_key,
                    system_prompt="", ephemeral_system_prompt="", prefill_messages=[], extra_body={},
                    reasoning_effort=None, temperature=None, top_p=None, max_tokens=None,
                    price_per_mtok=run.price_per_mtok if same_model else None)
