@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from trajgen import journal, roles
+from trajgen.errors import EndpointUnreachable, FatalAPIError, SideEndpointUnreachable
 from trajgen.messages import Replied
 from trajgen.model import Metered, Reply, ScriptedModel
 from trajgen.task import ModelSettings, Task
@@ -60,3 +63,13 @@ def test_a_prompts_spend_is_its_agents_and_its_side_models_replays_included():
     assert total["replayed"] == {"turns": 2, "prompt_tokens": 10, "completion_tokens": 3, "reasoning_tokens": 0,
                                  "cost": 0.25}
     assert roles.prompt_usage({"usage": metadata["usage"]}) is metadata["usage"]  # no side model: the row's own
+
+
+def test_a_side_models_fatal_errors_name_its_flag_not_the_runs():
+    user = roles.settings_for(SETTINGS, "u", "http://127.0.0.1:9/v1", None)
+    with pytest.raises(SideEndpointUnreachable, match=r"^--user_base_url=http://127.0.0.1:9/v1 cannot be reached: "):
+        asyncio.run(roles.Named(ScriptedModel([EndpointUnreachable("connection refused")]), "user", user)
+                    .complete(MESSAGES, [], False))
+    with pytest.raises(FatalAPIError, match=r"^--judge_base_url=http://127.0.0.1:9/v1: invalid key"):
+        asyncio.run(roles.Named(ScriptedModel([FatalAPIError("invalid key")]), "judge", user)
+                    .complete(MESSAGES, [], False))

@@ -27,6 +27,11 @@ class EndpointUnreachable(FatalAPIError):
     and has never answered: the run stops at once and nothing is recorded as failed."""
 
 
+class SideEndpointUnreachable(EndpointUnreachable):
+    """A side model's endpoint (trajgen/roles.py) cannot be reached: the run stops at once, the message
+    names the role's flag."""
+
+
 class RunStopped(Exception):
     """The run stopped on a fatal error (the endpoint refused it, the local model server died) with the prompt in flight."""
 

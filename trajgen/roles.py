@@ -10,10 +10,12 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from trajgen import journal
-from trajgen.model import Metered, add_usage, no_usage
+from trajgen.errors import EndpointUnreachable, FatalAPIError, SideEndpointUnreachable
+from trajgen.model import Metered, ModelClient, Reply, add_usage, no_usage
 from trajgen.task import ModelSettings
 
 Role = Literal["agent", "judge", "summary", "user"]
+ENDPOINT_FLAGS = {"judge": "--judge_base_url", "summary": "--summary_base_url", "user": "--user_base_url"}
 
 
 def settings_for(run: ModelSettings, model: str | None, base_url: str | None, api_key: str | None) -> ModelSettings:
@@ -27,6 +29,22 @@ def settings_for(run: ModelSettings, model: str | None, base_url: str | None, ap
                    system_prompt="", ephemeral_system_prompt="", prefill_messages=[], extra_body={},
                    reasoning_effort=None, temperature=None, top_p=None, max_tokens=None,
                    price_per_mtok=run.price_per_mtok if same_model else None)
+
+
+class Named:
+    """A side model whose endpoint's fatal errors name its role's flag: a user told that --base_url
+    refuses them would look at the wrong endpoint."""
+
+    def __init__(self, model: ModelClient, role: str, settings: ModelSettings):
+        self.model, self.where = model, f"{ENDPOINT_FLAGS[role]}={settings.base_url}"
+
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+        try:
+            return await self.model.complete(messages, tools, forbid_tools)
+        except EndpointUnreachable as e:
+            raise SideEndpointUnreachable(f"{self.where} cannot be reached: {e}") from e
+        except FatalAPIError as e:
+            raise FatalAPIError(f"{self.where}: {e}") from e
 
 
 @dataclass(frozen=True)

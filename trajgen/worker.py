@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from trajgen import agent, chat_calls, journal, registry, roles, verify
-from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout
+from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, SideEndpointUnreachable
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
@@ -74,8 +74,8 @@ class Worker:
         if role not in prompt.side:
             endpoint = self.endpoints.setdefault((settings.base_url, settings.api_key),
                                                  chat_calls.Endpoint(settings, self.config.concurrency))
-            paid = Metered(OpenAIModel(endpoint, settings, on_throttle=lambda: self.send(Throttled()),
-                                       on_retry=self.retrying))
+            paid = Metered(roles.Named(OpenAIModel(endpoint, settings, on_throttle=lambda: self.send(Throttled()),
+                                                   on_retry=self.retrying), role, settings))
             model = journal.JournalModel(paid, settings, prompt.task, self.send, self.cache, role)
             prompt.side[role] = roles.SideModel(model, paid)
         return prompt.side[role].model
@@ -101,6 +101,8 @@ class Worker:
             self.running.pop(task.key, None)
         if outcome.reason == FatalAPIError.__name__:
             self.send(Fatal(outcome.message))
+        elif outcome.reason == SideEndpointUnreachable.__name__:
+            self.send(Fatal(outcome.message, True))
         elif outcome.reason == EndpointUnreachable.__name__:
             self.send(Fatal(f"--base_url={self.config.model.base_url} cannot be reached: {outcome.message}", True))
         elif outcome.traceback and self.config.verbose:
