@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 
 from trajgen import registry, trajectory
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
+from trajgen.simulated_user import FollowUp, Simulator
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.task import ModelSettings, Task
 
@@ -33,6 +34,9 @@ class Conversation:
     usage: dict = field(default_factory=no_usage)
     timings: list[dict] = field(default_factory=list)  # each reply's timing (empty when it had none)
     finish_reasons: list = field(default_factory=list)  # each reply's finish reason, as the endpoint sent it
+    simulated: list[int] = field(default_factory=list)  # indices of the messages a simulated user wrote
+    episode_end: str = ""  # with a simulated user: why the episode ended (trajgen/simulated_user.py)
+    user_model: str = ""  # the simulated user's model
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     truncated: bool = False  # ended on a reply whose tool calls the token limit cut (finish reason `length`)
     wall_seconds: float = 0.0
@@ -62,16 +66,39 @@ def start_messages(settings: ModelSettings, prompt: str) -> list[dict]:
 
 
 async def run_conversation(prompt: str, model: ModelClient, settings: ModelSettings, tools: list[ToolSpec],
-                           schemas: list[dict], ctx: ToolContext) -> Conversation:
+                           schemas: list[dict], ctx: ToolContext, user: Simulator | None = None) -> Conversation:
+    """The agent's work on the prompt; with a simulated `user`, the whole episode: each final answer is
+    followed up by the user's next message, until it stops, or the agent's own limits end it."""
     started = time.monotonic()
     messages = start_messages(settings, prompt)
     conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools), schemas)
     offered = {t.name: t for t in tools}
+    conv.user_model = user.model_name if user else ""
+    while True:
+        await _answer(conv, model, settings, offered, ctx)
+        if user is None:
+            break
+        said = await user.follow_up(messages, conv.replies, conv.prompt_at) if conv.completed else None
+        if not isinstance(said, FollowUp):
+            conv.episode_end = said.reason if said else "truncated" if conv.truncated else "max_turns"
+            break
+        messages.append({"role": "user", "content": said.text})
+        conv.simulated.append(len(messages) - 1)
+    conv.wall_seconds = round(time.monotonic() - started, 3)
+    conv.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return conv
+
+
+async def _answer(conv: Conversation, model: ModelClient, settings: ModelSettings, offered: dict[str, ToolSpec],
+                  ctx: ToolContext) -> None:
+    """One human turn's work: calls and tools until a reply without tool calls, or --max_turns calls and
+    the forced final answer, or tool calls cut by the token limit."""
+    messages = conv.messages
     for turn in range(settings.max_turns + 1):
         final_call = turn == settings.max_turns
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
-        reply = await model.complete(messages, schemas, forbid_tools=final_call)
+        reply = await model.complete(messages, conv.tools, forbid_tools=final_call)
         calls = conv.add_reply(reply, final_call)
         if not calls:
             conv.completed = not final_call
@@ -83,9 +110,6 @@ async def run_conversation(prompt: str, model: ModelClient, settings: ModelSetti
             result = await registry.dispatch(call["function"]["name"], call["function"]["arguments"], offered, ctx)
             conv.results.append(result)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": trajectory.envelope_json(trajectory.sent_result(result))})
-    conv.wall_seconds = round(time.monotonic() - started, 3)
-    conv.ended_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    return conv
 
 
 def final_answer(conv: Conversation) -> str:
@@ -105,9 +129,10 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
     hallucinated: list[str] = []
     replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
     reasoning_turns = 0
-    for message in conv.messages[conv.prompt_at + 1:]:
+    for at, message in enumerate(conv.messages[conv.prompt_at + 1:], conv.prompt_at + 1):
         if message["role"] == "user":
-            turns.append({"from": "human", "value": message["content"], "message": message})
+            simulated = {"simulated": True} if at in conv.simulated else {}
+            turns.append({"from": "human", "value": message["content"], "message": message, **simulated})
         elif message["role"] == "assistant":
             reply = next(replies)
             reasoning, content = trajectory.split_reasoning(reply)
@@ -138,6 +163,8 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "finish_reasons": conv.finish_reasons,
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
+        **({"episode": {"ended": conv.episode_end, "user_turns": len(conv.simulated), "user_model": conv.user_model}}
+           if conv.episode_end else {}),
     }
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,

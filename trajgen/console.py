@@ -30,7 +30,7 @@ out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
-SECRET_FLAGS = ("--api_key", "--vision_api_key")
+SECRET_FLAGS = ("--api_key", "--vision_api_key", "--user_api_key")
 KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
 
 
@@ -61,7 +61,7 @@ def resume_command() -> str:
     if not dropped:
         return command
     ways = [f"set {KEY_VARIABLES} or give --api_key again"] if "--api_key" in dropped else []
-    ways += ["give --vision_api_key again"] if "--vision_api_key" in dropped else []
+    ways += [f"give {name} again" for name in dropped if name != "--api_key"]
     return f"{command}  # without the key: {'; '.join(ways)}"
 
 
@@ -167,6 +167,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
         ("api calls", stats["api_calls"]),
         ("tokens prompt / completion / reasoning", tokens(stats["tokens"])),
         ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
+        *side_model_rows(stats),
         *latency_rows(stats),
         ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
                                f"{stats['reasoning_statistics']['total_assistant_turns']} assistant turns"),
@@ -174,6 +175,21 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
          f"{stats['duration_seconds']:.1f} s / {stats['duration_seconds_total']:.1f} s"),
     ]
     return [(name, str(value)) for name, value in rows]
+
+
+SIDE_MODELS = {"judge": "judge", "summary": "summaries", "user_simulator": "simulated user"}  # merge.SECTIONS
+
+
+def side_model_rows(stats: dict) -> list[tuple[str, str]]:
+    """What each side model cost, apart from the agent's calls; how the simulated user's episodes ended."""
+    rows = []
+    for section, name in SIDE_MODELS.items():
+        if s := stats.get(section):
+            cost = "n/a" if s["cost"] is None else f"${s['cost']:.4f}"
+            rows.append((f"{name}: calls, tokens, cost", f"{s['calls']}, {tokens(s['tokens'])}, {cost}"))
+    if episodes := (stats.get("user_simulator") or {}).get("ended_by"):
+        rows.append(("episodes ended by", ", ".join(f"{k} {n}" for k, n in episodes.items())))
+    return rows
 
 
 def tokens(counts: dict) -> str:

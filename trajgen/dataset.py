@@ -1,7 +1,7 @@
 """Read the JSONL dataset as a stream, validate it, and give every prompt its identity.
 
 A prompt's identity (`key`) is a hash of its task content (prompt, image, cwd, and its
-`verify` command when it has one, so datasets without one keep their keys) plus its
+`verify` command and simulated `user` when it has them, so datasets without them keep their keys) plus its
 occurrence number among identical rows, so the k-th copy of a repeated prompt is done or
 not on its own, and resume survives inserted, deleted and reordered lines.
 """
@@ -25,6 +25,7 @@ class Entry:
     cwd: str | None
     extra: dict  # the row's other fields, carried into the row's metadata
     verify: str | None = None  # the shell command that checks the sample (trajgen/verify.py)
+    user: dict | None = None  # the simulated user's persona, goal and instructions (trajgen/simulated_user.py)
     key: str = ""
 
 
@@ -62,13 +63,37 @@ def parse_line(raw: bytes, index: int, path: str) -> Entry | str:
     cwd = obj.get("cwd")
     if cwd is not None and not cwd.startswith("/"):
         return f"{where}: field 'cwd' must be an absolute path"
-    extra = {k: v for k, v in obj.items() if k not in TASK_FIELDS}
-    return Entry(index, prompt, image, cwd, extra, obj.get("verify"))
+    user = simulated_user(obj.get("user"))
+    if isinstance(user, str):
+        return f"{where}: field 'user' {user}"
+    extra = {k: v for k, v in obj.items() if k not in TASK_FIELDS}  # `user` too: rows keep the field they had
+    return Entry(index, prompt, image, cwd, extra, obj.get("verify"), user)
+
+
+USER_KEYS = ("persona", "goal", "instructions")
+
+
+def simulated_user(value) -> dict | None | str:
+    """A row's `user` field as {persona, goal, instructions} (a string is the instructions), or why not."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"instructions": value}
+    if not isinstance(value, dict):
+        return f"must be a string or an object of {', '.join(USER_KEYS)}"
+    unknown = [k for k in value if k not in USER_KEYS]
+    if unknown:
+        return f"has {unknown[0]!r}, not one of {', '.join(USER_KEYS)}"
+    if not value or not all(isinstance(v, str) and v.strip() for v in value.values()):
+        return f"must give {', '.join(USER_KEYS)} (any of them) as non-empty strings"
+    return value
 
 
 def content_hash(entry: Entry) -> bytes:
     verify = {"verify": entry.verify} if entry.verify is not None else {}
-    content = orjson.dumps({"prompt": entry.prompt, "image": entry.image, "cwd": entry.cwd, **verify})
+    user = {"user": entry.user} if entry.user is not None else {}  # an episode's user is part of its task
+    content = orjson.dumps({"prompt": entry.prompt, "image": entry.image, "cwd": entry.cwd, **verify, **user},
+                           option=orjson.OPT_SORT_KEYS if user else 0)
     return hashlib.blake2b(content, digest_size=16).digest()
 
 

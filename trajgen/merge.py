@@ -45,6 +45,9 @@ class Tally:
     replies_without_usage: int = 0  # their tokens are unknown, and so are the totals
     stalls: int = 0  # calls abandoned for silence (--stall_timeout) and asked again
     latency: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in LATENCY_KEYS})  # bin -> replies
+    side: dict[str, "Tally"] = field(default_factory=dict)  # role -> what its side model paid (trajgen/roles.py)
+    episodes: Counter = field(default_factory=Counter)  # a simulated user's episodes by how they ended
+    user_turns: int = 0  # the simulated human turns of those episodes
 
     def add(self, row: dict) -> None:
         self.rows += 1
@@ -61,6 +64,14 @@ class Tally:
         for key, values in (meta.get("latency") or {}).items():
             if key in self.latency:
                 self.latency[key].update(map(_bin, values))
+        for role, usage in (meta.get("side_usage") or {}).items():
+            side = self.side.setdefault(role, Tally())
+            side.rows += 1
+            side.api_calls += usage.get("api_calls", 0)
+            side.add_usage(usage)
+        if episode := meta.get("episode"):
+            self.episodes[episode.get("ended")] += 1
+            self.user_turns += episode.get("user_turns", 0)
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -78,6 +89,9 @@ class Tally:
                      "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total.latency = {k: self.latency[k] + other.latency[k] for k in LATENCY_KEYS}
+        total.side = {role: self.side.get(role, Tally()) + other.side.get(role, Tally())
+                      for role in (*self.side, *(r for r in other.side if r not in self.side))}
+        total.episodes, total.user_turns = self.episodes + other.episodes, self.user_turns + other.user_turns
         costs = [c for c in (self.cost, other.cost) if c is not None]
         total.cost = sum(costs) if costs else None
         return total
@@ -293,7 +307,7 @@ def _inputs(run_dir: Path, filtering: Filtering) -> str:
 def statistics(merged: Merged, header: dict) -> dict:
     """statistics.json: `header` holds the run's settings and durations."""
     everything = merged.kept + merged.hallucinated + merged.no_reasoning + merged.not_passed + merged.discarded
-    paid = everything + merged.failed_attempts
+    paid = sum(everything.side.values(), everything + merged.failed_attempts)  # side models' calls are paid too
     turns = everything.assistant_turns
     return {
         **header,
@@ -328,7 +342,26 @@ def statistics(merged: Merged, header: dict) -> dict:
         "cost": dollars(paid.cost),
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
+        **side_models(everything),
     }
+
+
+SECTIONS = {"judge": "judge", "summary": "summary", "user": "user_simulator"}  # statistics.json's name for each role
+
+
+def side_models(rows: Tally) -> dict:
+    """A section per side model that was asked (roles.py): its calls, tokens and cost, counted apart from
+    the agent's; the simulated user's also its episodes."""
+    out = {}
+    for role, paid in rows.side.items():
+        out[SECTIONS.get(role, role)] = {"rows": paid.rows, "calls": paid.api_calls, "tokens": _tokens(paid),
+                                         "cost": dollars(paid.cost)}
+    if rows.episodes:
+        episodes = sum(rows.episodes.values())
+        out.setdefault(SECTIONS["user"], {}).update(
+            episodes=episodes, ended_by=dict(rows.episodes), user_turns=rows.user_turns,
+            user_turns_per_episode=round(rows.user_turns / episodes, 3))
+    return out
 
 
 def dollars(cost: float | None) -> float | None:

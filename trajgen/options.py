@@ -17,11 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trajgen import roles
 from trajgen.errors import UsageError
 from trajgen.local_model import NAME as LOCAL_MODEL
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
-from trajgen.task import ModelSettings
+from trajgen.task import ModelSettings, SimulatedUser
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_SYSTEM_PROMPT = (
@@ -122,6 +123,11 @@ class RunOptions:
     provider_sort: str | None = flag(None, "OpenRouter: sort providers by price, throughput or latency.", group="endpoint")
     reasoning_effort: str | None = flag(None, "none, minimal, low, medium, high or xhigh.", group="endpoint")
     reasoning_disabled: bool = flag(False, "OpenRouter: ask for no reasoning.", group="endpoint")
+    user_model: str | None = flag(None, "A simulated user (this model) answers each final answer of the agent, for rows with a \"user\" field (persona, goal, instructions), until it says ###STOP### or --max_user_turns; see docs/simulated-user.md.", resume=True, provenance=True, group="run")
+    user_base_url: str | None = flag(None, "OpenAI-compatible endpoint of --user_model (default: --base_url).", group="run")
+    user_api_key: str | None = flag(None, "Key for --user_base_url (default: the run's key, sent only when it is the run's own endpoint).", group="run")
+    max_user_turns: int = flag(5, "With --user_model: simulated human turns per episode at most.", minimum=1, group="run")
+    user_for_all: bool = flag(False, "With --user_model: rows without a \"user\" field get a simulated user too (its goal: the prompt).", group="run")
     ephemeral_system_prompt: str = flag("", "Appended to the system prompt at run time, never written to trajectories.", group="run")
     prefill_messages_file: str | None = flag(None, "JSON list of {role, content} messages sent before the prompt, not written.", group="run")
     vision_model: str | None = flag(None, "Model for vision_analyze (default: --model).", group="tools")
@@ -169,6 +175,12 @@ class RunOptions:
             raise UsageError(f"--price_per_mtok must be dollars per million input,output tokens (e.g. 0.15,0.60) or "
                              f"one number for both, got {self.price_per_mtok!r}")
         return (prices[0], prices[-1]) if prices else None
+
+    def simulated_user(self, run: ModelSettings) -> SimulatedUser | None:
+        if not self.user_model:
+            return None
+        settings = roles.settings_for(run, self.user_model, self.user_base_url, self.user_api_key)
+        return SimulatedUser(settings=settings, max_turns=self.max_user_turns, for_all=self.user_for_all)
 
     def tool_settings(self, api_key: str) -> ToolSettings:
         return ToolSettings(
@@ -260,7 +272,7 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    for name in ("base_url", "vision_base_url"):
+    for name in ("base_url", "vision_base_url", "user_base_url"):
         url = getattr(opts, name)
         if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
                                 or not urllib.parse.urlsplit(url).hostname):
@@ -271,6 +283,9 @@ def check(opts: RunOptions) -> None:
         raise UsageError("--export_outcome selects rows for --export; pass --export too")
     if opts.export_partial and not opts.export:
         raise UsageError("--export_partial selects rows for --export; pass --export too")
+    for name in ("user_base_url", "user_api_key", "user_for_all"):
+        if getattr(opts, name) and not opts.user_model:
+            raise UsageError(f"--{name} goes with --user_model (the simulated user's model); pass --user_model too")
     if opts.backend not in BACKENDS:
         raise UsageError(f"--terminal_backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
     if opts.provider_sort not in (None, "price", "throughput", "latency"):

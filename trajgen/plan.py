@@ -26,6 +26,7 @@ class Plan:
     images: Counter = field(default_factory=Counter)  # image -> prompts that will open a container with it
     rows_with_image: int = 0
     verified: int = 0  # samples with a verify command (each opens a sandbox, whatever its toolsets)
+    with_user: int = 0  # samples whose row names a simulated user (trajgen/simulated_user.py)
 
     def batch_count(self, batch_size: int) -> int:
         return -(-self.remaining // batch_size)
@@ -52,7 +53,7 @@ def tasks(entries: Iterable[dataset.Entry], fingerprint: str, done: set[str], di
             sampled = sample_toolsets(distribution, seed, key if toolsets_per_sample else entry.key)
             yield Task(key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
                        extra, sampled, [t for t in sampled if t not in unavailable], fingerprint,
-                       tuple(journal.get(key, ())), entry.verify, index, entry.key)
+                       tuple(journal.get(key, ())), entry.verify, index, entry.key, user=entry.user)
             n += 1
 
 
@@ -64,6 +65,7 @@ def count(planned: Iterator[Task], first_batch: int, default_image: str | None) 
         plan.sampled.update(task.toolsets_sampled)
         plan.rows_with_image += task.image is not None
         plan.verified += task.verify is not None
+        plan.with_user += task.user is not None
         if default_image and needs_sandbox(task):
             plan.images[task.image or default_image] += 1
     return plan

@@ -194,6 +194,9 @@ def prepare(opts: RunOptions) -> Prepared:
     _say_what_is_missing(prepared)
     for line in opts.request_extras()[2]:
         console.notice(f"sending {line}")
+    if prepared.plan.with_user and not opts.user_model:
+        console.notice(f"{prepared.plan.with_user} sample(s) name a simulated user (a \"user\" field): without "
+                       "--user_model they run without one")
     return prepared
 
 
@@ -213,7 +216,8 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.verbose,
-                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
+                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools,
+                          user=opts.simulated_user(prepared.model))
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)

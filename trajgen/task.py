@@ -36,6 +36,15 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class SimulatedUser:
+    """--user_model: the simulated user that answers each final answer of the agent (trajgen/simulated_user.py)."""
+
+    settings: ModelSettings  # its model and endpoint (trajgen/roles.py)
+    max_turns: int = 5  # simulated human turns per episode (--max_user_turns)
+    for_all: bool = False  # rows without a `user` field get one too (--user_for_all)
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelSettings
     sandbox: SandboxConfig
@@ -47,6 +56,7 @@ class WorkerConfig:
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
     cache_max_mb: float = 1024.0  # a reply larger than the whole cache is not stored
     mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
+    user: SimulatedUser | None = None  # the simulated user, when --user_model is set
 
 
 @dataclass(frozen=True)
@@ -65,3 +75,4 @@ class Task:
     verify: str | None = None  # the row's check, run in its sandbox when the conversation ends
     sample_index: int = 0  # which of --samples_per_prompt rollouts of the prompt this is
     group_id: str = ""  # the prompt's key, shared by its samples (empty: the task's own key)
+    user: dict | None = None  # the row's simulated user: persona, goal, instructions (trajgen/dataset.py)

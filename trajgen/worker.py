@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, roles, verify
+from trajgen import agent, chat_calls, journal, registry, roles, simulated_user, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, SideEndpointUnreachable
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -121,7 +121,7 @@ class Worker:
             model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
             async with deadline:
                 conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
-                                                            schemas, prompt.ctx)
+                                                            schemas, prompt.ctx, self._simulator(task, prompt))
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
             row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
             row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
@@ -136,6 +136,14 @@ class Worker:
             return decide(task, error=timeout, usage={**roles.paid(paid, prompt.side), "stalls": endpoint.stalls})
         except Exception as e:  # any other error fails this prompt only, with its traceback if nobody foresaw it
             return decide(task, error=e, usage={**roles.paid(paid, prompt.side), "stalls": endpoint.stalls})
+
+    def _simulator(self, task: Task, prompt: _Prompt) -> simulated_user.Simulator | None:
+        """The episode's simulated user: for rows with a `user` field, or every row with --user_for_all."""
+        user = self.config.user
+        if user is None or not (task.user or user.for_all):
+            return None
+        return simulated_user.Simulator(self.side_model(prompt, "user", user.settings), task.user, user.max_turns,
+                                        user.settings.model)
 
     async def _verify(self, task: Task, conversation: agent.Conversation, prompt: _Prompt) -> verify.Check:
         """Every finished conversation is checked, a discarded one too (the statistics count every

@@ -16,6 +16,15 @@ from trajgen.viewer.query import reason, status
 ROW_FIELDS = ("completed", "partial", "api_calls", "toolsets_used")
 
 
+def _episode(row: dict) -> dict:
+    """With a simulated user: how the episode ended, shown beside the row's own fields."""
+    episode = (row.get("metadata") or {}).get("episode") if isinstance(row.get("metadata"), dict) else None
+    if not isinstance(episode, dict):
+        return {}
+    return {"episode ended": episode.get("ended"), "simulated user turns": episode.get("user_turns"),
+            "simulated user": episode.get("user_model")}
+
+
 def _turns(turns: list) -> list[dict]:
     """Each turn from its structured parts (`message`, `reasoning`, `tool_calls`); a turn without
     them (an older row format, a damaged row) is shown as its raw text."""
@@ -43,7 +52,8 @@ def _turn(turn, names: dict[str, str]) -> dict:
                     "content": orjson.loads(message["content"])}
     except (ValueError, TypeError, KeyError, AttributeError):
         pass
-    return {"role": role, "text": value if isinstance(value, str) else str(value)}
+    simulated = {"simulated": True} if role == "human" and turn.get("simulated") is True else {}
+    return {"role": role, "text": value if isinstance(value, str) else str(value), **simulated}
 
 
 def dataset_prompt(run_dir: Path, entry: Entry) -> str | None:
@@ -76,7 +86,7 @@ def view(entry: Entry, record: dict, filtering: Filtering, run_dir: Path) -> dic
         "record": extra,
         "turns": _turns(row.get("conversations") or []),
         "metadata": row.get("metadata"),
-        "row": {k: row[k] for k in ROW_FIELDS if k in row},
+        "row": {**{k: row[k] for k in ROW_FIELDS if k in row}, **_episode(row)},
         "tool_stats": {n: s for n, s in tool_stats.items() if isinstance(s, dict) and s.get("count")},
         "tools": row.get("tools"),
     }

@@ -147,8 +147,8 @@ function resultView(content) {
 const ROLES = { system: "system", human: "user", gpt: "assistant", tool: "tool" };
 
 function turnView(turn) {
-  const box = el("article", "turn " + turn.role);
-  box.append(el("header", "role", ROLES[turn.role] || turn.role));
+  const box = el("article", "turn " + turn.role + (turn.simulated ? " simulated" : ""));
+  box.append(el("header", "role", turn.simulated ? "simulated user" : ROLES[turn.role] || turn.role));
   if (turn.role === "system") {
     const details = el("details");
     details.append(el("summary", null, (turn.text || "").split("\n")[0].slice(0, 120)), pre(turn.text, "text"));
