@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 START, END = "<!-- exports -->", "<!-- /exports -->"
-TEMPLATE = ROOT / "tests" / "chat_templates" / "qwen3_training.jinja"  # TRL's, with {% generation %} markers
+TEMPLATE = ROOT / "trajgen" / "conventions" / "trainers" / "qwen3_training.jinja"  # TRL's, with {% generation %} markers
 TAGS = "</think> <tool_call> </tool_response> &lt;think>"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = 30
