@@ -34,9 +34,17 @@ TAG_IN_CALL_TURN = NotCarried("a call turn's reasoning or text holds a literal <
                               "would read as the calls")
 
 
+def _reasoning_and_text(message: dict) -> tuple[str, str]:
+    """The turn's reasoning and text; inline reasoning blocks count only where the reply had no reasoning
+    field (as Qwen3's template reads an assistant turn)."""
+    if message.get("reasoning_content"):
+        return message["reasoning_content"], message.get("content") or ""
+    return split_reasoning({"content": message.get("content")})
+
+
 def _said(message: dict) -> str:
     """The turn's reasoning in the one thinking form, then its text."""
-    reasoning, text = split_reasoning(message)
+    reasoning, text = _reasoning_and_text(message)
     return f"{THOUGHT[0]}{reasoning}{THOUGHT[1]}{text}" if reasoning else text
 
 
@@ -45,7 +53,7 @@ def _call_turn(message: dict) -> str | NotCarried:
     if TOOL_CALL[0] in said:
         return TAG_IN_CALL_TURN
     calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
-    beside = "\n" if split_reasoning(message)[1] else ""  # Qwen's templates: text, a newline, the calls
+    beside = "\n" if _reasoning_and_text(message)[1] else ""  # Qwen's templates: text, a newline, the calls
     return f"{said}{beside}{TOOL_CALL[0]}{envelope_json(calls)}{TOOL_CALL[1]}"
 
 

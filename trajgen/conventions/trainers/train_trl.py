@@ -7,6 +7,7 @@ and the reasoning, and carries the {% generation %} markers that assistant_only_
 import argparse
 from pathlib import Path
 
+import torch
 from datasets import load_dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -35,6 +36,7 @@ def main() -> None:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
+        use_cpu=not torch.cuda.is_available(),
     )
     trainer = SFTTrainer(model=args.model, train_dataset=dataset, args=config)
     trainer.train()
