@@ -130,13 +130,14 @@ def test_sharegpt_turns_train_as_qwen3_renders_them_with_calls_read_back_exactly
         read = [call for t in record["conversations"] if t["from"] == "function_call"
                 for call in llama_factory_function(t["value"])[1]]
         sent = [c["function"] for m in hf[dataset_id]["messages"] for c in m.get("tool_calls", [])]
-        assert [(name, json.loads(arguments)) for name, arguments in read] == [(c["name"], c["arguments"]) for c in sent]
+        assert [(name, json.loads(args)) for name, args in read] == [(c["name"], c["arguments"]) for c in sent]
     args = sharegpt["a"]["conversations"][2]["value"]
     assert args.startswith("<think>\nWrite it, then read it back.\n</think>\n\nWriting the note.\n<tool_call>[")
     assert "<tool_call>" not in args.split("<tool_call>", 1)[1] and "\\u003ctool_call>" in args
     with pytest.raises((RuntimeError, KeyError)):  # written raw, the tags in the arguments stop LLaMA-Factory
         llama_factory_function(args.replace("\\u003c", "<"))
-    assert sharegpt["q"]["conversations"][-1]["value"] == "<think>\nIt printed the tag.\n</think>\n\nIt printed </tool_call>."
+    answer = "<think>\nIt printed the tag.\n</think>\n\nIt printed </tool_call>."
+    assert sharegpt["q"]["conversations"][-1]["value"] == answer
     assert sharegpt["p"]["conversations"][-1]["value"] == "<think>\n2 + 2\n</think>\n\n4"  # one thinking form
 
 
@@ -146,7 +147,8 @@ def test_a_row_sharegpt_cannot_carry_is_left_out_counted_and_its_reason_printed(
     assert "1 row(s) left out: a call turn's reasoning or text holds a literal <tool_call>" in notes
     assert "wrote 3 rows" in printed["sharegpt"].stdout
     call = _by_id(run_dir, "export_hf.jsonl")["t"]["messages"][2]  # as it would have been written
-    value = f"<think>\n{call['reasoning_content']}\n</think>\n\n<tool_call>[{{\"name\": \"terminal\", \"arguments\": {{}}}}]</tool_call>"
+    calls = json.dumps([{"name": "terminal", "arguments": {}}])
+    value = f"<think>\n{call['reasoning_content']}\n</think>\n\n<tool_call>{calls}</tool_call>"
     assert llama_factory_function(value)[1] == [("x", "{}")]  # LLaMA-Factory would train on a call never made
 
 
@@ -154,8 +156,8 @@ def test_llama_factory_itself_reads_every_exported_row(run, tmp_path):
     if not LF_PYTHON.exists():
         pytest.skip(f"no LLaMA-Factory venv at {LF_PYTHON} (bench/train_exports.py says how to make one)")
     run_dir, _ = run
-    done = subprocess.run([str(LF_PYTHON), str(SUPPORT / "llamafactory_reads.py"), str(run_dir), str(tmp_path / "read")],
-                          capture_output=True, text=True, timeout=600,
+    reads = [str(LF_PYTHON), str(SUPPORT / "llamafactory_reads.py"), str(run_dir), str(tmp_path / "read")]
+    done = subprocess.run(reads, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "DISABLE_VERSION_CHECK": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     read = read_jsonl(tmp_path / "read")
@@ -222,18 +224,20 @@ def test_each_export_writes_what_its_trainer_needs_and_prints_the_command(run):
     folder = run_dir.resolve()
     compile((run_dir / "train_trl.py").read_text(), "train_trl.py", "exec", ast.PyCF_ONLY_AST)
     hf = read_jsonl(run_dir / "export_hf.jsonl")[0]
-    _, spans = render_jinja_template(conversations=[hf["messages"]], tools=hf["tools"], return_assistant_tokens_mask=True,
-                                     chat_template=(run_dir / "chat_template.jinja").read_text())
+    _, spans = render_jinja_template(conversations=[hf["messages"]], tools=hf["tools"],
+                                     chat_template=(run_dir / "chat_template.jinja").read_text(),
+                                     return_assistant_tokens_mask=True)
     assert len(spans[0]) == sum(m["role"] == "assistant" for m in hf["messages"])  # the generation markers work
     axolotl = yaml.safe_load((run_dir / "axolotl.yaml").read_text())
-    assert axolotl["datasets"][0]["path"] == str(folder / "export_hf.jsonl")
-    assert axolotl["datasets"][0]["type"] == "chat_template" and axolotl["datasets"][0]["roles_to_train"] == ["assistant"]
+    (dataset,) = axolotl["datasets"]
+    assert dataset["path"] == str(folder / "export_hf.jsonl") and dataset["roles_to_train"] == ["assistant"]
+    assert dataset["type"] == "chat_template" and isinstance(axolotl["learning_rate"], float)  # not text: 1e-05
     assert f"python {folder / 'train_trl.py'} --model " in printed["hf"].stdout
     assert f"axolotl train {folder / 'axolotl.yaml'}" in printed["hf"].stdout
     info = json.loads((run_dir / "dataset_info.json").read_text())
     config = yaml.safe_load((run_dir / "llamafactory.yaml").read_text())
     assert Path(config["dataset_dir"], info[config["dataset"]]["file_name"]) == folder / "export_sharegpt.jsonl"
-    assert config["stage"] == "sft" and config["template"] == "qwen3"
+    assert config["stage"] == "sft" and config["template"] == "qwen3" and isinstance(config["learning_rate"], float)
     assert f"llamafactory-cli train {folder / 'llamafactory.yaml'}" in printed["sharegpt"].stdout
 
 
@@ -251,7 +255,7 @@ def test_the_printed_trl_command_trains_two_steps_offline(run, tmp_path):
     command = next(shlex.split(line) for line in printed["hf"].stdout.splitlines() if "train_trl.py" in line
                    and line.strip().startswith("python "))
     command[0], command[command.index("--model") + 1] = str(TRL_PYTHON), str(model)
-    done = subprocess.run([*command, "--max_steps=2", f"--output_dir={tmp_path / 'out'}"], capture_output=True, text=True,
-                          timeout=1200, env=env, cwd=tmp_path)
+    done = subprocess.run([*command, "--max_steps=2", f"--output_dir={tmp_path / 'out'}"], capture_output=True,
+                          text=True, timeout=1200, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'train_loss'" in done.stdout + done.stderr and (tmp_path / "out" / "model.safetensors").exists()

@@ -44,7 +44,7 @@ FORMATS = ("hf", "openai", "sharegpt", "hermes", "parquet")
 FILES = {"hf": "export_hf.jsonl", "openai": "export_openai.jsonl", "sharegpt": "export_sharegpt.jsonl",
          "hermes": "export_hermes.jsonl", "parquet": "export.parquet"}
 TEMPLATES = Path(__file__).parent / "chat_templates"  # as shipped in the trl 1.16.0 wheel (Apache-2.0)
-TRAINING_TEMPLATE = Path(conventions.__file__).parent / "trainers" / "qwen3_training.jinja"  # the one exports write beside them
+TRAINING_TEMPLATE = Path(conventions.__file__).parent / "trainers" / "qwen3_training.jinja"  # exports write it beside them
 LLAMA_FACTORY_TAGS = ({"human", "observation"}, {"gpt", "function_call"})  # odd and even positions after the system turn
 
 
@@ -115,7 +115,7 @@ def test_openai_export_replays_the_last_request_and_the_reply(run):
         if dataset_id not in exported:
             continue
         messages, sent = exported[dataset_id]["messages"], _last_request(requests, prompt)
-        assert messages[:-1] == sent["messages"], prompt  # roles, contents byte for byte, call ids, names, arguments as text
+        assert messages[:-1] == sent["messages"], prompt  # roles, contents byte for byte, call ids, names, arguments
         final = SCRIPT["prompts"][prompt][-1]
         assert messages[-1] == {"role": "assistant", "content": final["content"]}  # no reasoning: not the API's format
         assert exported[dataset_id]["tools"] == sent["tools"]

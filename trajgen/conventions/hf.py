@@ -3,9 +3,10 @@ messages with each call's `arguments` as an object (templates apply `tojson` to 
 be encoded twice), each tool result named after its call, and `tools` as JSON schemas."""
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
+
+import yaml
 
 from trajgen.conventions import MODEL, openai
 from trajgen.trajectory import parse_arguments
@@ -50,8 +51,7 @@ def companions(path: Path) -> dict[str, str]:
                             "field_tools": "tools", "roles_to_train": ["assistant"]}],
               "sequence_len": 4096, "micro_batch_size": 1, "gradient_accumulation_steps": 8, "num_epochs": 1,
               "learning_rate": 1.0e-5, "optimizer": "adamw_torch", "output_dir": str(path.parent / "axolotl-out")}
-    # YAML: JSON values are YAML flow values
-    return {**trl_companions(), AXOLOTL_FILE: "".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items())}
+    return {**trl_companions(), AXOLOTL_FILE: yaml.safe_dump(config, sort_keys=False)}
 
 
 def trl_steps(path: str) -> list[str]:

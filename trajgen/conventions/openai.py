@@ -22,6 +22,7 @@ def record(row: dict) -> dict:
 
 
 def next_steps(path: str) -> list[str]:
-    return [f"the OpenAI fine-tuning API's chat format, ready to upload; our outcome and provenance per line: {SIDE_FILE}",
+    return [f"the OpenAI fine-tuning API's chat format, ready to upload; our outcome and provenance per line: "
+            f"{SIDE_FILE}",
             f"""  python -c 'from openai import OpenAI; print(OpenAI().files.create(file=open("{path}", "rb"), """
             """purpose="fine-tune").id)'"""]

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import orjson
+import yaml
 
 from trajgen.conventions import MODEL, NotCarried, hf
 from trajgen.trajectory import envelope_json, split_reasoning
@@ -86,7 +87,9 @@ def conversations(messages: list[dict]) -> list[dict] | NotCarried:
 
 def record(row: dict) -> dict | NotCarried:
     turns = conversations(hf.messages(row))
-    return turns if isinstance(turns, NotCarried) else {"conversations": turns, "tools": orjson.dumps(row["tools"]).decode()}
+    if isinstance(turns, NotCarried):
+        return turns
+    return {"conversations": turns, "tools": orjson.dumps(row["tools"]).decode()}
 
 
 def companions(path: Path) -> dict[str, str]:
@@ -97,8 +100,7 @@ def companions(path: Path) -> dict[str, str]:
               "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8, "learning_rate": 1.0e-5,
               "num_train_epochs": 1.0, "logging_steps": 10, "save_strategy": "no", "report_to": "none"}
     return {DATASET_INFO_FILE: json.dumps({NAME: {"file_name": path.name, **DATASET_INFO}}, indent=2) + "\n",
-            # YAML: LLaMA-Factory 0.9.5's JSON config reader is broken; JSON scalars are YAML scalars
-            CONFIG_FILE: "".join(f"{key}: {json.dumps(value)}\n" for key, value in config.items())}
+            CONFIG_FILE: yaml.safe_dump(config, sort_keys=False)}  # YAML: LLaMA-Factory 0.9.5's JSON reader is broken
 
 
 def next_steps(path: str) -> list[str]:
