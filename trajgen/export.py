@@ -4,8 +4,10 @@ trajectories.jsonl into a file beside it, written atomically.
 Every record carries `completed` and `partial`, its verify outcome and a `reward`
 (trajgen/verify.py REWARD: 1 passed, 0 failed or timed out, null when nothing was judged), and
 `provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
-final-answer call) are left out unless `--export_partial`. After writing, the export says which
-trainer takes the file and how, and what in the run directory makes it incomplete or stale.
+final-answer call) are left out unless `--export_partial`, and so are rows the convention cannot
+carry (conventions.NotCarried). Beside the file go what its trainer needs (a convention's
+`companions`) and, where the format has no room for them, our keys (its `SIDE_FILE`). After writing,
+the export prints the command that trains on the file, and what makes it incomplete or stale.
 """
 from __future__ import annotations
 

@@ -43,18 +43,18 @@ def _reasoning_and_text(message: dict) -> tuple[str, str]:
     return split_reasoning({"content": message.get("content")})
 
 
-def _said(message: dict) -> str:
+def _said(reasoning: str, text: str) -> str:
     """The turn's reasoning in the one thinking form, then its text."""
-    reasoning, text = _reasoning_and_text(message)
     return f"{THOUGHT[0]}{reasoning}{THOUGHT[1]}{text}" if reasoning else text
 
 
 def _call_turn(message: dict) -> str | NotCarried:
-    said = _said(message)
+    reasoning, text = _reasoning_and_text(message)
+    said = _said(reasoning, text)
     if TOOL_CALL[0] in said:
         return TAG_IN_CALL_TURN
     calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
-    beside = "\n" if _reasoning_and_text(message)[1] else ""  # Qwen's templates: text, a newline, the calls
+    beside = "\n" if text else ""  # as Qwen's templates write it: the text, a newline, the calls
     return f"{said}{beside}{TOOL_CALL[0]}{envelope_json(calls)}{TOOL_CALL[1]}"
 
 
@@ -81,7 +81,7 @@ def conversations(messages: list[dict]) -> list[dict] | NotCarried:
                 return value
             turns.append({"from": "function_call", "value": value})
         else:
-            turns.append({"from": "gpt", "value": _said(message)})
+            turns.append({"from": "gpt", "value": _said(*_reasoning_and_text(message))})
     return turns
 
 
