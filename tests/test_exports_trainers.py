@@ -51,7 +51,7 @@ SUPPORT = Path(__file__).parent / "support"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The run, its hf, sharegpt and openai exports, and what each export printed."""
+    """The run, its hf, sharegpt, openai and parquet exports, and what each export printed."""
     from tests.support.inline import Inline
     from tests.support.scripted_server import start_server
 
@@ -63,7 +63,7 @@ def run(tmp_path_factory):
         done = inline.run(*inline.args(server, max_turns=3, distribution="default"))
         assert done.returncode == 0, done.stderr
         printed = {}
-        for fmt in ("hf", "sharegpt", "openai"):
+        for fmt in ("hf", "sharegpt", "openai", "parquet"):
             exported = inline.run(f"--export={fmt}", "--run_name=run")
             assert exported.returncode == 0, exported.stderr
             printed[fmt] = exported
@@ -234,6 +234,7 @@ def test_each_export_writes_what_its_trainer_needs_and_prints_the_command(run):
     assert dataset["type"] == "chat_template" and isinstance(axolotl["learning_rate"], float)  # not text: 1e-05
     assert f"python {folder / 'train_trl.py'} --model " in printed["hf"].stdout
     assert f"axolotl train {folder / 'axolotl.yaml'}" in printed["hf"].stdout
+    assert f"train_trl.py --model Qwen/Qwen3-0.6B --data {folder / 'export.parquet'}" in printed["parquet"].stdout
     info = json.loads((run_dir / "dataset_info.json").read_text())
     config = yaml.safe_load((run_dir / "llamafactory.yaml").read_text())
     assert Path(config["dataset_dir"], info[config["dataset"]]["file_name"]) == folder / "export_sharegpt.jsonl"
