@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 START, END = "<!-- exports -->", "<!-- /exports -->"
-TEMPLATE = ROOT / "tests" / "chat_templates" / "qwen3_training.jinja"  # TRL's, with {% generation %} markers
+TEMPLATE = ROOT / "trajgen" / "conventions" / "trainers" / "qwen3_training.jinja"  # TRL's, with {% generation %} markers
 TAGS = "</think> <tool_call> </tool_response> &lt;think>"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = 30
@@ -117,14 +117,10 @@ def train_trl(model: Path, data: Path, steps: int, out: Path) -> dict:
 
 
 def train_llamafactory(cli: str, model: Path, run_dir: Path, steps: int, out: Path) -> dict:
-    """llamafactory-cli train on the sharegpt export, with the dataset_info.json entry the export prints."""
-    from trajgen.conventions import sharegpt
-
+    """llamafactory-cli train on the sharegpt export, with the dataset_info.json the export writes beside it."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dataset_info.json").write_text(json.dumps(
-        {"trajgen": {"file_name": str(run_dir / sharegpt.FILE), **sharegpt.DATASET_INFO}}, indent=2))
     config = {"model_name_or_path": str(model), "stage": "sft", "do_train": True, "finetuning_type": "full",
-              "dataset": "trajgen", "dataset_dir": str(out), "template": "qwen", "cutoff_len": 4096,
+              "dataset": "trajgen", "dataset_dir": str(run_dir), "template": "qwen", "cutoff_len": 4096,
               "output_dir": str(out / "model"), "per_device_train_batch_size": 2, "learning_rate": 5e-5,
               "max_steps": steps, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
               "overwrite_output_dir": True, "preprocessing_num_workers": 1, "use_cpu": True}

@@ -4,8 +4,10 @@ trajectories.jsonl into a file beside it, written atomically.
 Every record carries `completed` and `partial`, its verify outcome and a `reward`
 (trajgen/verify.py REWARD: 1 passed, 0 failed or timed out, null when nothing was judged), and
 `provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
-final-answer call) are left out unless `--export_partial`. After writing, the export says which
-trainer takes the file and how, and what in the run directory makes it incomplete or stale.
+final-answer call) are left out unless `--export_partial`, and so are rows the convention cannot
+carry (conventions.NotCarried). Beside the file go what its trainer needs (a convention's
+`companions`) and, where the format has no room for them, our keys (its `SIDE_FILE`). After writing,
+the export prints the command that trains on the file, and what makes it incomplete or stale.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import jsonlines
 import orjson
 
 from trajgen import store, verify
-from trajgen.conventions import hermes, hf, openai, parquet, sharegpt
+from trajgen.conventions import NotCarried, hermes, hf, openai, parquet, sharegpt
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
 from trajgen.suggest import did_you_mean
@@ -31,6 +33,7 @@ FORMATS = tuple(CONVENTIONS)
 TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt"}  # the format each trainer reads (docs/exports.md)
 VERDICTS = tuple(v.value for v in verify.Verdict)
 TRAJECTORIES = "trajectories.jsonl"
+OURS = ("completed", "partial", "verify", "reward", "provenance")  # the keys a record adds to its convention's
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Exported:
     path: Path
     rows: int
     partial_left_out: int
+    not_carried: dict[str, int]  # reason -> rows the convention could not carry (conventions.NotCarried)
 
 
 def outcomes(flag) -> frozenset[str] | None:
@@ -86,7 +90,7 @@ def _rows(run_dir: Path) -> Iterator[dict]:
 
 
 def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: bool, left_out: Counter) -> Iterator[dict]:
-    """The records of the rows chosen; `left_out["partial"]` counts the partial rows skipped."""
+    """The records of the rows chosen; `left_out` counts the rows skipped: "partial", or a NotCarried."""
     manifest = store.read_json(run_dir / "manifest.json")
     convention = hf if fmt == "parquet" else CONVENTIONS[fmt]
     for row in _rows(run_dir):
@@ -95,36 +99,63 @@ def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: 
         if row["partial"] and not partial:
             left_out["partial"] += 1
             continue
-        yield {**convention.record(row), "completed": row["completed"], "partial": row["partial"],
+        made = convention.record(row)
+        if isinstance(made, NotCarried):
+            left_out[made] += 1
+            continue
+        yield {**made, "completed": row["completed"], "partial": row["partial"],
                **outcome(row), "provenance": provenance(row, manifest)}
 
 
 def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None, partial: bool = False) -> Exported:
-    """Write the format's file beside the run's files, atomically; `selected`: only rows with these
-    verdicts; `partial`: partial rows too."""
+    """Write the format's file beside the run's files, and what its trainer needs beside it (each
+    atomically); `selected`: only rows with these verdicts; `partial`: partial rows too."""
     if not (run_dir / TRAJECTORIES).exists():
         raise FileNotFoundError(f"{run_dir}/{TRAJECTORIES}: no finished run to export")
-    target = run_dir / CONVENTIONS[fmt].FILE
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{target.name}.")
-    os.close(fd)
+    convention = CONVENTIONS[fmt]
+    target = run_dir / convention.FILE
+    side = getattr(convention, "SIDE_FILE", None)  # where our keys go when the format cannot hold them
+    tmp, side_tmp = _temporary(target), _temporary(run_dir / side) if side else None
     left_out: Counter = Counter()
     try:
         records = _records(run_dir, fmt, selected, partial, left_out)
-        count = parquet.write(tmp, records) if fmt == "parquet" else _write_jsonl(tmp, records)
+        count = parquet.write(tmp, records) if fmt == "parquet" else _write_jsonl(tmp, records, side_tmp)
+        if side_tmp:
+            os.replace(side_tmp, run_dir / side)
         os.replace(tmp, target)
     except BaseException:
-        os.unlink(tmp)
+        for path in (tmp, side_tmp):
+            if path and os.path.exists(path):
+                os.unlink(path)
         raise
-    return Exported(target, count, left_out["partial"])
+    companions = getattr(convention, "companions", None)
+    for name, text in (companions(target.resolve()) if companions else {}).items():
+        store.atomic_write(run_dir / name, text.encode())
+    not_carried = {reason.reason: n for reason, n in left_out.items() if isinstance(reason, NotCarried)}
+    return Exported(target, count, left_out["partial"], not_carried)
 
 
-def _write_jsonl(tmp: str, records: Iterable[dict]) -> int:
+def _temporary(target: Path) -> str:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(fd)
+    return tmp
+
+
+def _write_jsonl(tmp: str, records: Iterable[dict], side_tmp: str | None = None) -> int:
+    """The records as JSON lines; with `side_tmp`, our keys go there instead, a line per record with its number."""
     count = 0
-    with jsonlines.open(tmp, mode="w", dumps=lambda record: orjson.dumps(record).decode()) as out:
+    with jsonlines.open(tmp, mode="w", dumps=_dumps) as out, \
+            jsonlines.open(side_tmp or os.devnull, mode="w", dumps=_dumps) as beside:
         for record in records:
-            out.write(record)
             count += 1
+            if side_tmp:
+                beside.write({"line": count, **{key: record.pop(key) for key in OURS}})
+            out.write(record)
     return count
+
+
+def _dumps(record: dict) -> str:
+    return orjson.dumps(record).decode()
 
 
 def next_steps(exported: Exported, fmt: str) -> list[str]:
@@ -139,6 +170,7 @@ def warnings(run_dir: Path, exported: Exported) -> list[str]:
     if exported.partial_left_out:
         lines.append(f"{exported.partial_left_out} partial row(s) left out (ended by the forced final-answer call): "
                      "--export_partial includes them")
+    lines += [f"{n} row(s) left out: {reason}" for reason, n in exported.not_carried.items()]
     try:
         stats = store.read_json(run_dir / "statistics.json")
     except (FileNotFoundError, UsageError):

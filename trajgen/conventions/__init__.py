@@ -6,4 +6,19 @@ trajectory row's structured parts (`message`, `reasoning`, `tools`), never from 
 - sharegpt: LLaMA-Factory's sharegpt convention with its default tags and a `tools` column.
 - hermes: the seed's row format (Hermes text: a `<tools>` system turn, `<tool_call>` in gpt turns).
 - parquet: the hf records with native nested columns.
+
+A convention's `record` returns `NotCarried` for a row it cannot carry whole; `companions` (where
+defined) are the files its trainer needs beside the export (trainers/: the TRL script and template).
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NotCarried:
+    """A row the convention cannot carry whole: left out of the export and counted under `reason`."""
+    reason: str
+
+
+MODEL = "Qwen/Qwen3-0.6B"  # the model the written trainer configs name: its template renders tools, calls, reasoning

@@ -3,9 +3,12 @@ fixed shape (call arguments, tool schemas, settings) is Arrow's JSON type: `data
 as objects, so rows are trainable without `json.loads`, and other readers see JSON text."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import orjson
+
+from trajgen.conventions import hf
 
 FILE = "export.parquet"
 CHUNK = 1000  # records per row group
@@ -65,6 +68,9 @@ def write(path: str, records: Iterable[dict]) -> int:
     return count
 
 
+def companions(path: Path) -> dict[str, str]:
+    return hf.trl_companions()
+
+
 def next_steps(path: str) -> list[str]:
-    return ["the hf records (--export=hf) as Parquet; with TRL's SFTTrainer (docs/exports.md):",
-            f'  dataset = load_dataset("parquet", data_files="{path}", split="train").select_columns(["messages", "tools"])']
+    return hf.trl_steps(path)
