@@ -20,9 +20,8 @@ from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
-from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
-from trajgen.sandbox.backends import prepare_host
+from trajgen.sandbox.backends import prepare_host, runtime_problem
 from trajgen.tools import ToolSettings, ToolSpec, mcp_config
 from trajgen.task import ModelSettings, Task, WorkerConfig
 from trajgen.process_pool import ProcessPool, worker_share
@@ -467,8 +466,8 @@ def _say_what_is_missing(prepared: Prepared) -> None:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
-    if opts.backend == "apptainer" and not _on_cluster(opts) and plan.images and (problem := apptainer_problem()):
-        raise UsageError(f"the apptainer backend cannot run here: {problem}")
+    if not _on_cluster(opts) and plan.images and (problem := runtime_problem(opts.backend)):
+        raise UsageError(f"the {opts.backend} backend cannot run here: {problem}")
 
 
 def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:
