@@ -1,12 +1,20 @@
-"""One prompt's path without back-and-forth: the row rendered once with everything it records."""
+"""One prompt's path without back-and-forth: the row rendered once with everything it records, and the request
+built once per call."""
 from __future__ import annotations
 
 import model_tools
 from tests.conftest import arun
-from trajgen import agent, verify
+from trajgen import agent, journal, verify
+from trajgen.messages import Replied
 from trajgen.model import Reply, ScriptedModel
 from trajgen.tools import ToolContext
 from trajgen.task import ModelSettings, Task
+
+# a request, and its hash as the journal computed it before the body was built once per call
+JOURNALED = ModelSettings("m", "http://127.0.0.1:1/v1", "k", temperature=0.5, extra_body={"provider": {"order": ["a"]}})
+MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+SCHEMAS = [{"type": "function", "function": {"name": "t", "parameters": {}}}]
+OLD_HASH = "7cb135c6b44c0702abe1d840f41eb7cda6628de53c2484f37713c4a531f66ca8"
 
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k")
 TASK = Task(key="key-1", prompt_index=0, batch_num=0, prompt="say hi", image=None, cwd=None, extra={},
@@ -26,4 +34,29 @@ def test_the_row_is_rendered_with_the_replayed_calls_the_stalls_and_the_check():
     assert (row["metadata"]["usage"]["replayed"], row["metadata"]["usage"]["stalls"]) == (2, 1)
     assert row["verify"] == {"status": "passed", "command": "test -f a", "exit_code": 0, "seconds": 0.25,
                              "output": "", "error": None}
+
+
+def test_a_journal_written_before_still_replays():
+    entry = journal.entry(Replied("key-1", 0, OLD_HASH, Reply({"content": "from the journal"}, {"prompt_tokens": 3})))
+    task = Task(key="key-1", prompt_index=0, batch_num=0, prompt="hi", image=None, cwd=None, extra={},
+                toolsets_sampled=[], toolsets_offered=[], replay=(entry,))
+    model = journal.JournalModel(ScriptedModel([]), JOURNALED, task, lambda event: None, None)  # asked: it fails
+    reply = arun(model.complete(MESSAGES, SCHEMAS, True))
+    assert reply.message["content"] == "from the journal" and model.replayed["turns"] == 1
+
+
+class _Recorder:
+    async def complete(self, messages, tools, forbid_tools, args=None):
+        self.args = args
+        return Reply({"content": "asked"})
+
+
+def test_the_call_sends_the_body_the_journal_hashed():
+    sent, recorder = [], _Recorder()
+    task = Task(key="key-1", prompt_index=0, batch_num=0, prompt="hi", image=None, cwd=None, extra={},
+                toolsets_sampled=[], toolsets_offered=[])
+    arun(journal.JournalModel(recorder, JOURNALED, task, sent.append, None).complete(MESSAGES, SCHEMAS, True))
+    [replied] = sent
+    assert replied.request_hash == OLD_HASH == journal.request_hash(recorder.args)
+    assert recorder.args["messages"] is MESSAGES and recorder.args["tool_choice"] == "none"
 
