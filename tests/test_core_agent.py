@@ -18,7 +18,8 @@ from trajgen.task import ModelSettings, Task
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k", max_turns=2,
                          system_prompt="SYSTEM", ephemeral_system_prompt="STEER",
                          prefill_messages=[{"role": "user", "content": "PREFILL"}])
-TASK = Task("key-1", 0, 0, "make a file", None, None, {"id": "a"}, ["terminal", "file"], ["terminal", "file"])
+TASK = Task(key="key-1", prompt_index=0, batch_num=0, prompt="make a file", image=None, cwd=None, extra={"id": "a"},
+            toolsets_sampled=["terminal", "file"], toolsets_offered=["terminal", "file"])
 TOOLS = model_tools.offered_tools(["terminal", "file"], {})
 
 

@@ -15,7 +15,8 @@ from trajgen.task import Task
 
 
 def task(i: int, batch_size: int = 2) -> Task:
-    return Task(f"k{i}", i, i // batch_size, f"prompt {i}", None, None, {}, [], [])
+    return Task(key=f"k{i}", prompt_index=i, batch_num=i // batch_size, prompt=f"prompt {i}", image=None, cwd=None,
+                extra={}, toolsets_sampled=[], toolsets_offered=[])
 
 
 def row(t: Task, reasoning: int = 1, cost: float = 0.0) -> dict:
@@ -57,7 +58,7 @@ class AnsweringExecutor:
 
 
 def run(tmp_path, count: int, executor: AnsweringExecutor, **limits) -> scheduler.RunEnd:
-    limits = scheduler.Limits("run", batch_size=2, concurrency=limits.pop("concurrency", 4), **limits)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=limits.pop("concurrency", 4), **limits)
     plan = Plan(remaining=count)
     return scheduler.Scheduler(plan, executor, limits, tmp_path, {}, 0.0, 0.0).execute(
         iter([task(i) for i in range(count)]), on_exit=lambda: None)
@@ -161,7 +162,8 @@ def test_what_a_stop_finds_on_its_way_is_recorded_and_paid(tmp_path):
 
 def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_path):
     executor = AnsweringExecutor(lambda t: [], hold=lambda t: True)
-    sched = scheduler.Scheduler(Plan(remaining=3), executor, scheduler.Limits("run", 2, 3), tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=3)
+    sched = scheduler.Scheduler(Plan(remaining=3), executor, limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(i) for i in range(3)]))
     assert sched.status() == "3 in flight"
     sched.handle(Retrying("k0", "HTTP 500", 1, 10, 2.0))
@@ -201,8 +203,8 @@ def test_spend_is_counted_as_each_reply_arrives_and_a_limit_cancels_at_once(tmp_
 def test_an_outcome_adds_only_the_replies_the_parent_has_not_counted(tmp_path):
     """The replies that travelled with a landed outcome (not sent apart), one that failed its checks (never
     sent); an outcome that does not carry its replies (a dead worker's) adds nothing."""
-    sched = scheduler.Scheduler(Plan(remaining=3), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 3),
-                                tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=3)
+    sched = scheduler.Scheduler(Plan(remaining=3), AnsweringExecutor(lambda t: []), limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(i) for i in range(3)]))
     reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
     for key in ("k0", "k1", "k2"):
@@ -220,8 +222,8 @@ def test_an_outcome_adds_only_the_replies_the_parent_has_not_counted(tmp_path):
 
 
 def test_a_prompt_run_again_after_its_ray_actor_died_pays_only_what_it_did_not_replay(tmp_path):
-    sched = scheduler.Scheduler(Plan(remaining=1), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 1),
-                                tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=1)
+    sched = scheduler.Scheduler(Plan(remaining=1), AnsweringExecutor(lambda t: []), limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(0)]))
     reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
     sched.handle(Replied("k0", 0, "h", reply))

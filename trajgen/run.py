@@ -27,7 +27,7 @@ from trajgen.task import ModelSettings, Task, WorkerConfig
 from trajgen.process_pool import ProcessPool, worker_share
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
     """Everything decided before the first request: the checked options, the plan, the settings."""
 
@@ -54,9 +54,11 @@ class Prepared:
         opts = self.opts
         if entries is None:
             entries = dataset.entries(str(opts.dataset_file), self.check.duplicates, opts.max_samples)
-        return plan_module.tasks(entries, self.check.fingerprint, self.scan.done, self.distribution,
-                                 opts.seed, opts.batch_size, self.scan.next_batch, self.unavailable_sets,
-                                 self.scan.journal, opts.samples_per_prompt, opts.toolsets_per_sample)
+        return plan_module.tasks(entries, fingerprint=self.check.fingerprint, done=self.scan.done,
+                                 distribution=self.distribution, seed=opts.seed, batch_size=opts.batch_size,
+                                 first_batch=self.scan.next_batch, unavailable=self.unavailable_sets,
+                                 journal=self.scan.journal, samples=opts.samples_per_prompt,
+                                 toolsets_per_sample=opts.toolsets_per_sample)
 
     def counted(self) -> Prepared:
         """With the dataset checked (into a new `check`) and the plan counted, in one pass."""
@@ -171,9 +173,10 @@ def prepare(opts: RunOptions) -> Prepared:
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     fresh = opts.overwrite or not existed
     left_out = _left_out(distribution, unavailable_sets, run_dir, fresh)
-    prepared = Prepared(opts, run_dir, dataset.DatasetCheck(), {}, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan(), without(distribution, left_out), fresh,
-                        mcp_servers=servers, left_out=left_out).counted()
+    prepared = Prepared(opts=opts, run_dir=run_dir, check=dataset.DatasetCheck(), manifest={}, scan=scan,
+                        model=opts.model_settings(api_key, prefill), tools=tools, unavailable_tools=unavailable_tools,
+                        unavailable_sets=unavailable_sets, plan=Plan(), distribution=without(distribution, left_out),
+                        fresh=fresh, mcp_servers=servers, left_out=left_out).counted()
     _say_what_is_wrong_with(prepared.check, opts)
     if refused:
         raise refused
@@ -210,9 +213,11 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
-    config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.verbose,
-                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
+    config = WorkerConfig(model=prepared.model, sandbox=sandbox, tools=prepared.tools,
+                          unavailable_tools=prepared.unavailable_tools,
+                          concurrency=worker_share(opts.concurrency, 1 if auto else opts.num_workers),
+                          verbose=opts.verbose, cache_dir=opts.cache_dir, verify_timeout=opts.verify_timeout,
+                          cache_max_mb=opts.cache_max_mb, mcp_tools=prepared.mcp_tools)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -220,8 +225,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
         from trajgen.ray_executor import make_executor
         pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory,
                              tuple(prepared.plan.images), opts.require_toolsets)
-    limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
-                              opts.max_total_tokens, health_check)
+    limits = scheduler.Limits(run_name=opts.run_name, batch_size=opts.batch_size, concurrency=opts.concurrency,
+                              verbose=opts.verbose, max_cost=opts.max_cost, max_total_tokens=opts.max_total_tokens,
+                              health_check=health_check)
     cache = journal.Cache(opts.cache_dir, opts.cache_max_mb) if opts.cache_dir else None
     if cache:
         cache.open()

@@ -35,7 +35,7 @@ class ModelSettings:
     prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     model: ModelSettings
     sandbox: SandboxConfig
@@ -49,7 +49,7 @@ class WorkerConfig:
     mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Task:
     key: str  # the sample's identity: the prompt's key for sample 0, `<prompt key>~<i>` for sample i
     prompt_index: int
