@@ -5,7 +5,7 @@ import json
 import signal
 from typing import Callable
 
-from trajgen import merge, scheduler, store
+from trajgen import merge, resume_scan, scheduler, store
 from trajgen.errors import EndpointUnreachable, FatalAPIError, WorkerCrashed
 from trajgen.messages import Event, Fatal, Finished, Replied, Rerun, Retrying
 from trajgen.model import Reply
@@ -89,7 +89,7 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     stats = merge.statistics(merge.merge(tmp_path, merge.Filtering(require_reasoning=True)), {})
     assert (stats["kept"], stats["filtered_no_reasoning"]) == (2, 1)
     assert (stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == ({"truncated": 1}, {"InternalError": 1})
-    assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
+    assert resume_scan.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
 
 
 def test_a_failed_health_check_stops_admitting_and_fails_what_is_in_flight(tmp_path):
@@ -100,7 +100,7 @@ def test_a_failed_health_check_stops_admitting_and_fails_what_is_in_flight(tmp_p
     assert executor.cancelled == ["k2", "k3"] and executor.submitted == ["k0", "k1", "k2", "k3"]
     failures = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
     assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k2", "RunStopped"), ("k3", "RunStopped")]
-    assert store.scan(tmp_path).done == {"k0", "k1"}  # the failed prompts run again on resume
+    assert resume_scan.scan(tmp_path).done == {"k0", "k1"}  # the failed prompts run again on resume
 
 
 def test_a_fatal_endpoint_error_stops_the_run(tmp_path):
@@ -121,7 +121,7 @@ def test_an_endpoint_out_of_reach_stops_the_run_with_nothing_recorded_failed(tmp
     end = run(tmp_path, 6, executor, concurrency=3)
     assert (end.fatal, end.unreachable, end.failed, end.not_run) == ("connection refused", True, 0, 6)
     assert executor.cancelled == ["k1", "k2"]  # cut short, and not recorded failed either
-    assert not (tmp_path / store.FAILURES).read_text() and store.scan(tmp_path).done == set()
+    assert not (tmp_path / store.FAILURES).read_text() and resume_scan.scan(tmp_path).done == set()
 
 
 def test_an_endpoint_out_of_reach_after_answering_another_worker_is_an_ordinary_fatal_stop(tmp_path):
@@ -153,7 +153,7 @@ def test_what_a_stop_finds_on_its_way_is_recorded_and_paid(tmp_path):
     assert executor.cancelled == ["k0", "k1"]
     assert (end.fatal, end.failed, end.not_run) == ("stopped", 1, 2)
     assert (end.paid_cost, end.paid_tokens) == (1.5, 20)
-    assert store.scan(tmp_path).done == {"k0"}
+    assert resume_scan.scan(tmp_path).done == {"k0"}
     failures = [json.loads(line) for line in (tmp_path / store.FAILURES).read_text().splitlines()]
     assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "RunStopped")]
     assert [(e["key"], e["message"]) for e in store.read_records(tmp_path / store.JOURNAL, [])] == [

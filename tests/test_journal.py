@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import interrupt, stopped_if_it_hangs, when
 from tests.test_hardening import _asked, _wait_for
-from trajgen import journal, store
+from trajgen import journal, resume_scan, store
 from trajgen.chat_calls import request_args
 from trajgen.errors import MalformedResponse
 from trajgen.messages import Finished, Replied, without_landed_replies
@@ -183,7 +183,7 @@ def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_pa
     writer.close({})
     on_disk = [e["key"] for e in store.read_records(tmp_path / store.JOURNAL, [])]
     assert on_disk == ["failed", "in flight", "in flight"]  # the landed and the discarded prompt's entries are gone
-    assert store.scan(tmp_path).journal == {
+    assert resume_scan.scan(tmp_path).journal == {
         "failed": [{"key": "failed", "turn": 0, "hash": "h", "message": {"content": "failed"}, "usage": {}}],
         "in flight": [{"key": "in flight", "turn": t, "hash": h, "message": {"content": c}, "usage": {}}
                       for t, h, c in ((0, "h", "in flight"), (1, "h2", "later"))]}

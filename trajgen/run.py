@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import orjson
 
 from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
-from trajgen import plan as plan_module
+from trajgen import plan as plan_module, resume_scan
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
@@ -35,7 +35,7 @@ class Prepared:
     run_dir: Path
     check: dataset.DatasetCheck
     manifest: dict
-    scan: store.Scan
+    scan: resume_scan.Scan
     model: ModelSettings
     tools: ToolSettings
     unavailable_tools: dict[str, str]
@@ -167,7 +167,7 @@ def prepare(opts: RunOptions) -> Prepared:
     if opts.resume and not existed and not opts.overwrite:
         raise UsageError(f"--resume: there is no run {run_dir} to continue (check --run_name and --output_dir, "
                          "or leave out --resume to start it)")
-    scan, refused = _look_at_run_dir(run_dir, opts) if existed else (store.Scan(), None)
+    scan, refused = _look_at_run_dir(run_dir, opts) if existed else (resume_scan.Scan(), None)
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
@@ -371,7 +371,7 @@ def _say_what_is_wrong_with(check: dataset.DatasetCheck, opts: RunOptions) -> No
         raise UsageError(f"{opts.dataset_file}: no prompts to run")
 
 
-def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[store.Scan, UsageError | None]:
+def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[resume_scan.Scan, UsageError | None]:
     """An existing run directory, locked and scanned before the dataset is read, with a refusal to use
     it kept for after the dataset's errors (a new one is made only once the dataset has passed)."""
     try:
@@ -379,7 +379,7 @@ def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[store.Scan, Usage
             store.lock_run_dir(run_dir)
         return _prepare_run_dir(run_dir, opts), None
     except UsageError as e:
-        return store.Scan(), e
+        return resume_scan.Scan(), e
 
 
 def _make_run_dir(prepared: Prepared) -> Prepared:
@@ -390,18 +390,18 @@ def _make_run_dir(prepared: Prepared) -> Prepared:
     return replace(prepared, scan=_prepare_run_dir(prepared.run_dir, prepared.opts)).counted()
 
 
-def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
+def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> resume_scan.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
     exists = bool(store.entries(run_dir))
     if exists and not opts.resume and not opts.overwrite:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts.overwrite:
-        return store.Scan()
+        return resume_scan.Scan()
     manifest_path = run_dir / "manifest.json"
     changed = opts.changed_since(store.read_json(manifest_path)) if manifest_path.exists() and not opts.force else []
-    scan = store.scan(run_dir)
+    scan = resume_scan.scan(run_dir)
     said = f"the run's settings changed ({'; '.join(changed)})"
-    if changed and store.anything_paid(run_dir, scan):
+    if changed and resume_scan.anything_paid(run_dir, scan):
         raise UsageError(f"{said}; pass --force to resume anyway")
     if changed:  # a wrong --base_url or model name stopped the run before any reply: nothing to keep apart
         console.notice(f"{said}; nothing was paid with the old ones, so the run goes on with the new ones")
