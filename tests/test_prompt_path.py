@@ -1,12 +1,18 @@
-"""One prompt's path without back-and-forth: the row rendered once with everything it records, and the request
-built once per call."""
+"""One prompt's path without back-and-forth: the row rendered once with everything it records, the request
+built once per call, one way to give a child a deadline."""
 from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
 
 import model_tools
 from tests.conftest import arun
 from trajgen import agent, journal, verify
 from trajgen.messages import Replied
 from trajgen.model import Reply, ScriptedModel
+from trajgen.sandbox.process import deadline
 from trajgen.tools import ToolContext
 from trajgen.task import ModelSettings, Task
 
@@ -60,3 +66,33 @@ def test_the_call_sends_the_body_the_journal_hashed():
     assert replied.request_hash == OLD_HASH == journal.request_hash(recorder.args)
     assert recorder.args["messages"] is MESSAGES and recorder.args["tool_choice"] == "none"
 
+
+async def _talk_to_sleeper(timeout: float, on_start=lambda proc: None) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec("sleep", "60")
+    on_start(proc)
+    try:
+        async with deadline(proc, timeout):
+            await proc.wait()
+    except TimeoutError:
+        pass
+    return proc
+
+
+def test_a_child_past_its_deadline_is_killed_and_reaped():
+    proc = arun(_talk_to_sleeper(0.1))
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_child_whose_caller_is_cancelled_is_killed_and_reaped():
+    started = []
+
+    async def cancelled() -> None:
+        talk = asyncio.ensure_future(_talk_to_sleeper(3600, started.append))
+        while not started:
+            await asyncio.sleep(0.01)
+        talk.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await talk
+
+    arun(cancelled())
+    assert started[0].returncode == -signal.SIGKILL
