@@ -113,7 +113,7 @@ def cpu_of(make, n: int, width: int) -> float:
 
 def clients(url: str, width: int, streamed_reply: bool) -> dict:
     settings = ModelSettings(model="m", base_url=url, api_key="k", max_retries=0, stream=streamed_reply)
-    body = chat_calls.request_body(settings, MESSAGES, None)
+    body = chat_calls.request_body(settings, chat_calls.request_args(settings, MESSAGES, None))
     chat_url = f"{url}/chat/completions"
     headers = {"Authorization": "Bearer k", "Content-Type": "application/json", "Accept": "application/json"}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trajgen import journal, store  # noqa: E402
+from trajgen.chat_calls import request_args  # noqa: E402
 from trajgen.messages import Replied  # noqa: E402
 from trajgen.model import Reply  # noqa: E402
 from trajgen.task import ModelSettings  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
         messages = conversation(turns, out)
         size = len(journal.orjson.dumps(messages)) // 1024
         rows.append((f"worker: request hash, {turns} turns ({size} KB of messages)",
-                     median_us(lambda: journal.request_hash(SETTINGS, messages, TOOLS, False), 200)))
+                     median_us(lambda: journal.request_hash(request_args(SETTINGS, messages, TOOLS, False)), 200)))
     replied = Replied("k" * 20, 3, "0" * 64, REPLY)
     rows.append(("worker: pickle the Replied message", median_us(lambda: pickle.dumps(replied), 2000)))
     with tempfile.TemporaryDirectory() as tmp:

@@ -211,7 +211,7 @@ def rows_scale(res: dict) -> list[Row]:
         d = entry["direct"]
         rows.append(Row("scale", f"N={n:,}: merge (trajgen.merge.merge, called directly)",
                         f"{_fmt(median([x['merge_s'] for x in d]))} s", "", "info",
-                        f"the CLI does not time its merge separately; resume scan (store.scan) "
+                        f"the CLI does not time its merge separately; resume scan (resume_scan.scan) "
                         f"{_fmt(median([x['scan_s'] for x in d]))} s; run dir {entry['disk_mb']} MB"))
     if len(firsts) >= 2:
         lo, hi = min(firsts), max(firsts)

@@ -326,7 +326,7 @@ def section_scale(args) -> dict:
                 say(f"    wall {rr.wall_s:.2f} s, duration {rr.duration_s} s, parent peak {rr.parent_rss_mb} MB")
                 resumes.append(rr.__dict__)
             entry["resume"] = resumes
-            # the merge and the resume scan alone: trajgen.merge.merge / trajgen.store.scan called directly
+            # the merge and the resume scan alone: trajgen.merge.merge / trajgen.resume_scan.scan called directly
             entry["direct"] = [_time_merge(run_dir) for _ in range(args.repeats)]
             say(f"  direct: {entry['direct'][-1]}")
             out["sizes"][str(n)] = entry
@@ -337,9 +337,9 @@ def section_scale(args) -> dict:
 MERGE_TIMER = r"""
 import json, sys, time, resource
 from pathlib import Path
-from trajgen import merge, store
+from trajgen import merge, resume_scan
 run_dir = Path(sys.argv[1])
-t0 = time.perf_counter(); s = store.scan(run_dir); t1 = time.perf_counter()
+t0 = time.perf_counter(); s = resume_scan.scan(run_dir); t1 = time.perf_counter()
 m = merge.merge(run_dir, merge.Filtering()); t2 = time.perf_counter()
 print(json.dumps({"scan_s": t1 - t0, "merge_s": t2 - t1, "rows": m.kept.rows, "done": len(s.done),
                   "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

@@ -88,14 +88,16 @@ def prompts_of(rows: list[dict]) -> list[str]:
 
 
 def _task(i: int, prompt: str) -> Task:
-    return Task(f"key-{i}", i, 0, prompt, None, None, {}, ["terminal"], ["terminal"])
+    return Task(key=f"key-{i}", prompt_index=i, batch_num=0, prompt=prompt, image=None, cwd=None, extra={},
+                toolsets_sampled=["terminal"], toolsets_offered=["terminal"])
 
 
 def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None,
           num_workers: int | None = 2) -> RayPool:
     config = WorkerConfig(
-        ModelSettings(model="test-model", base_url=server.url, api_key="dummy-key", max_retries=1),
-        SandboxConfig(root_dir=str(tmp_path / "sandboxes")), ToolSettings(), {}, concurrency=4)
+        model=ModelSettings(model="test-model", base_url=server.url, api_key="dummy-key", max_retries=1),
+        sandbox=SandboxConfig(root_dir=str(tmp_path / "sandboxes")), tools=ToolSettings(), unavailable_tools={},
+        concurrency=4)
     return RayPool(num_workers, config, address, worker_memory=256, crash_retries=crash_retries)
 
 
@@ -173,7 +175,7 @@ def test_executor_spend_limit_stops_within_the_calls_in_flight(scripted_server, 
     server = scripted_server({"default": gated_calls("later")})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    limits = scheduler.Limits("run", batch_size=16, concurrency=8, max_cost=0.002)
+    limits = scheduler.Limits(run_name="run", batch_size=16, concurrency=8, max_cost=0.002)
     run = scheduler.Scheduler(Plan(remaining=16), _pool(server, tmp_path, crash_retries=0), limits, run_dir, {}, 0.0,
                               time.monotonic())
     failing = threading.Timer(60, server.open_gate, ["later"])  # a run that does not stop still ends
@@ -441,7 +443,8 @@ def test_cluster_node_without_bubblewrap_takes_no_sandboxed_prompt(cluster, scri
     pool = _pool(server, tmp_path, crash_retries=0, address=cluster.address, num_workers=3)
     try:
         pool.start()
-        plain = [Task(f"plain-{i}", 100 + i, 0, f"plain {i}", None, None, {}, [], []) for i in range(6)]
+        plain = [Task(key=f"plain-{i}", prompt_index=100 + i, batch_num=0, prompt=f"plain {i}", image=None, cwd=None,
+                      extra={}, toolsets_sampled=[], toolsets_offered=[]) for i in range(6)]
         for task in [_task(i, f"prompt {i}") for i in range(12)] + plain:
             pool.submit(task)
         messages = _drain(pool, until=lambda: not pool.inflight and all(s.up for s in pool.slots))

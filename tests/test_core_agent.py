@@ -18,7 +18,8 @@ from trajgen.task import ModelSettings, Task
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k", max_turns=2,
                          system_prompt="SYSTEM", ephemeral_system_prompt="STEER",
                          prefill_messages=[{"role": "user", "content": "PREFILL"}])
-TASK = Task("key-1", 0, 0, "make a file", None, None, {"id": "a"}, ["terminal", "file"], ["terminal", "file"])
+TASK = Task(key="key-1", prompt_index=0, batch_num=0, prompt="make a file", image=None, cwd=None, extra={"id": "a"},
+            toolsets_sampled=["terminal", "file"], toolsets_offered=["terminal", "file"])
 TOOLS = model_tools.offered_tools(["terminal", "file"], {})
 
 
@@ -63,7 +64,7 @@ def test_tools_run_in_the_sandbox_and_the_row_keeps_what_was_sent(ctx):
     assert row["metadata"]["turns_with_reasoning"] == 2 and row["metadata"]["hallucinated_tools"] == []
     assert row["metadata"]["usage"] | {"wall_seconds": 0} == {
         "prompt_tokens": 30, "completion_tokens": 5, "reasoning_tokens": 0, "cost": 0.5, "api_calls": 2,
-        "wall_seconds": 0}
+        "wall_seconds": 0, "replayed": 0, "stalls": 0}
     assert row["tool_stats"]["write_file"] == row["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
     assert decide(TASK, row=row).status is Status.OK
     # the exact parts: the export replays the last request (minus what is never written) and the reply

@@ -15,7 +15,8 @@ from trajgen.tools import ToolContext
 from trajgen.task import ModelSettings, Task
 
 SETTINGS = ModelSettings(model="fake", base_url="http://127.0.0.1:1/v1", api_key="k", max_turns=3)
-TASK = Task("key-1", 0, 0, "look it up", None, None, {}, [], [])
+TASK = Task(key="key-1", prompt_index=0, batch_num=0, prompt="look it up", image=None, cwd=None, extra={},
+            toolsets_sampled=[], toolsets_offered=[])
 PAID = {"prompt_tokens": 10, "completion_tokens": 2, "cost": 0.25}
 
 

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from trajgen import journal, roles
+from trajgen import chat_calls, journal, roles
 from trajgen.errors import EndpointUnreachable, FatalAPIError, SideEndpointUnreachable
 from trajgen.messages import Replied
 from trajgen.model import Metered, Reply, ScriptedModel
@@ -16,12 +16,13 @@ MESSAGES = [{"role": "user", "content": "score it"}]
 
 
 def task(replay: tuple[dict, ...] = ()) -> Task:
-    return Task("key-1", 0, 0, "p", None, None, {}, [], [], replay=replay)
+    return Task(key="key-1", prompt_index=0, batch_num=0, prompt="p", image=None, cwd=None, extra={},
+                toolsets_sampled=[], toolsets_offered=[], replay=replay)
 
 
 def test_a_side_model_replays_only_its_own_role_and_journals_its_role():
     judge = roles.settings_for(SETTINGS, "judge-m", None, None)
-    digest = journal.request_hash(judge, MESSAGES, [], False)
+    digest = journal.request_hash(chat_calls.request_args(judge, MESSAGES, [], False))
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "cost": 0.5}
     agent_entry = {"key": "key-1", "turn": 0, "hash": digest, "message": {"role": "assistant", "content": "agent's"},
                    "usage": usage}

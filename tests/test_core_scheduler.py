@@ -5,7 +5,7 @@ import json
 import signal
 from typing import Callable
 
-from trajgen import merge, scheduler, store
+from trajgen import merge, resume_scan, scheduler, store
 from trajgen.errors import EndpointUnreachable, FatalAPIError, WorkerCrashed
 from trajgen.messages import Event, Fatal, Finished, Replied, Rerun, Retrying
 from trajgen.model import Reply
@@ -15,7 +15,8 @@ from trajgen.task import Task
 
 
 def task(i: int, batch_size: int = 2) -> Task:
-    return Task(f"k{i}", i, i // batch_size, f"prompt {i}", None, None, {}, [], [])
+    return Task(key=f"k{i}", prompt_index=i, batch_num=i // batch_size, prompt=f"prompt {i}", image=None, cwd=None,
+                extra={}, toolsets_sampled=[], toolsets_offered=[])
 
 
 def row(t: Task, reasoning: int = 1, cost: float = 0.0) -> dict:
@@ -57,7 +58,7 @@ class AnsweringExecutor:
 
 
 def run(tmp_path, count: int, executor: AnsweringExecutor, **limits) -> scheduler.RunEnd:
-    limits = scheduler.Limits("run", batch_size=2, concurrency=limits.pop("concurrency", 4), **limits)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=limits.pop("concurrency", 4), **limits)
     plan = Plan(remaining=count)
     return scheduler.Scheduler(plan, executor, limits, tmp_path, {}, 0.0, 0.0).execute(
         iter([task(i) for i in range(count)]), on_exit=lambda: None)
@@ -88,7 +89,7 @@ def test_each_outcome_goes_to_its_file_and_the_merge_counts_them(tmp_path):
     stats = merge.statistics(merge.merge(tmp_path, merge.Filtering(require_reasoning=True)), {})
     assert (stats["kept"], stats["filtered_no_reasoning"]) == (2, 1)
     assert (stats["discarded"]["by_reason"], stats["failed"]["by_class"]) == ({"truncated": 1}, {"InternalError": 1})
-    assert store.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
+    assert resume_scan.scan(tmp_path).done == {"k0", "k1", "k3", "k4"}  # the failed prompt runs again on resume
 
 
 def test_a_failed_health_check_stops_admitting_and_fails_what_is_in_flight(tmp_path):
@@ -99,7 +100,7 @@ def test_a_failed_health_check_stops_admitting_and_fails_what_is_in_flight(tmp_p
     assert executor.cancelled == ["k2", "k3"] and executor.submitted == ["k0", "k1", "k2", "k3"]
     failures = [json.loads(line) for line in (tmp_path / "failures.jsonl").read_text().splitlines()]
     assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k2", "RunStopped"), ("k3", "RunStopped")]
-    assert store.scan(tmp_path).done == {"k0", "k1"}  # the failed prompts run again on resume
+    assert resume_scan.scan(tmp_path).done == {"k0", "k1"}  # the failed prompts run again on resume
 
 
 def test_a_fatal_endpoint_error_stops_the_run(tmp_path):
@@ -120,7 +121,7 @@ def test_an_endpoint_out_of_reach_stops_the_run_with_nothing_recorded_failed(tmp
     end = run(tmp_path, 6, executor, concurrency=3)
     assert (end.fatal, end.unreachable, end.failed, end.not_run) == ("connection refused", True, 0, 6)
     assert executor.cancelled == ["k1", "k2"]  # cut short, and not recorded failed either
-    assert not (tmp_path / store.FAILURES).read_text() and store.scan(tmp_path).done == set()
+    assert not (tmp_path / store.FAILURES).read_text() and resume_scan.scan(tmp_path).done == set()
 
 
 def test_an_endpoint_out_of_reach_after_answering_another_worker_is_an_ordinary_fatal_stop(tmp_path):
@@ -152,7 +153,7 @@ def test_what_a_stop_finds_on_its_way_is_recorded_and_paid(tmp_path):
     assert executor.cancelled == ["k0", "k1"]
     assert (end.fatal, end.failed, end.not_run) == ("stopped", 1, 2)
     assert (end.paid_cost, end.paid_tokens) == (1.5, 20)
-    assert store.scan(tmp_path).done == {"k0"}
+    assert resume_scan.scan(tmp_path).done == {"k0"}
     failures = [json.loads(line) for line in (tmp_path / store.FAILURES).read_text().splitlines()]
     assert [(f["prompt_key"], f["error_class"]) for f in failures] == [("k1", "RunStopped")]
     assert [(e["key"], e["message"]) for e in store.read_records(tmp_path / store.JOURNAL, [])] == [
@@ -161,7 +162,8 @@ def test_what_a_stop_finds_on_its_way_is_recorded_and_paid(tmp_path):
 
 def test_the_status_line_names_the_prompts_retrying_until_they_are_answered(tmp_path):
     executor = AnsweringExecutor(lambda t: [], hold=lambda t: True)
-    sched = scheduler.Scheduler(Plan(remaining=3), executor, scheduler.Limits("run", 2, 3), tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=3)
+    sched = scheduler.Scheduler(Plan(remaining=3), executor, limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(i) for i in range(3)]))
     assert sched.status() == "3 in flight"
     sched.handle(Retrying("k0", "HTTP 500", 1, 10, 2.0))
@@ -201,8 +203,8 @@ def test_spend_is_counted_as_each_reply_arrives_and_a_limit_cancels_at_once(tmp_
 def test_an_outcome_adds_only_the_replies_the_parent_has_not_counted(tmp_path):
     """The replies that travelled with a landed outcome (not sent apart), one that failed its checks (never
     sent); an outcome that does not carry its replies (a dead worker's) adds nothing."""
-    sched = scheduler.Scheduler(Plan(remaining=3), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 3),
-                                tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=3)
+    sched = scheduler.Scheduler(Plan(remaining=3), AnsweringExecutor(lambda t: []), limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(i) for i in range(3)]))
     reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
     for key in ("k0", "k1", "k2"):
@@ -220,8 +222,8 @@ def test_an_outcome_adds_only_the_replies_the_parent_has_not_counted(tmp_path):
 
 
 def test_a_prompt_run_again_after_its_ray_actor_died_pays_only_what_it_did_not_replay(tmp_path):
-    sched = scheduler.Scheduler(Plan(remaining=1), AnsweringExecutor(lambda t: []), scheduler.Limits("run", 2, 1),
-                                tmp_path, {}, 0.0, 0.0)
+    limits = scheduler.Limits(run_name="run", batch_size=2, concurrency=1)
+    sched = scheduler.Scheduler(Plan(remaining=1), AnsweringExecutor(lambda t: []), limits, tmp_path, {}, 0.0, 0.0)
     sched.admit(iter([task(0)]))
     reply = Reply({"content": "r"}, {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5})
     sched.handle(Replied("k0", 0, "h", reply))

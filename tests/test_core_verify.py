@@ -36,7 +36,9 @@ def test_samples_have_their_own_keys_and_share_the_prompts_toolsets(tmp_path):
 
     def run(done=frozenset(), per_sample=False):
         entries = dataset.entries(str(path), check.duplicates)
-        return list(plan.tasks(entries, check.fingerprint, set(done), distribution, 7, 10, 0, {}, {}, 3, per_sample))
+        return list(plan.tasks(entries, fingerprint=check.fingerprint, done=set(done), distribution=distribution,
+                               seed=7, batch_size=10, first_batch=0, unavailable={}, journal={}, samples=3,
+                               toolsets_per_sample=per_sample))
 
     tasks = run()
     prompt_keys = [e.key for e in dataset.entries(str(path), check.duplicates)]

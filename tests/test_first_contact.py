@@ -86,9 +86,11 @@ def test_a_near_miss_of_the_prompt_key_gets_a_suggestion():
 
 
 def test_a_failure_record_names_its_prompt_by_id_and_excerpt():
-    long = Task("k", 0, 0, "x" * 1000, None, None, {"id": "row-7"}, [], [])
+    long = Task(key="k", prompt_index=0, batch_num=0, prompt="x" * 1000, image=None, cwd=None, extra={"id": "row-7"},
+                toolsets_sampled=[], toolsets_offered=[])
     assert _which(long) == {"id": "row-7", "prompt": "x" * (PROMPT_EXCERPT - 1) + "…"}
-    assert _which(Task("k", 0, 0, "short", None, None, {}, [], [])) == {"id": None, "prompt": "short"}
+    assert _which(Task(key="k", prompt_index=0, batch_num=0, prompt="short", image=None, cwd=None, extra={},
+                       toolsets_sampled=[], toolsets_offered=[])) == {"id": None, "prompt": "short"}
 
 
 def test_statistics_give_no_rate_to_a_tool_never_called_and_round_costs():

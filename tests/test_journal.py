@@ -16,7 +16,8 @@ import pytest
 from tests.conftest import kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import interrupt, stopped_if_it_hangs, when
 from tests.test_hardening import _asked, _wait_for
-from trajgen import journal, store
+from trajgen import journal, resume_scan, store
+from trajgen.chat_calls import request_args
 from trajgen.errors import MalformedResponse
 from trajgen.messages import Finished, Replied, without_landed_replies
 from trajgen.model import Reply
@@ -154,9 +155,9 @@ def test_the_request_hash_covers_everything_that_changes_the_reply():
     settings = ModelSettings("m", "http://127.0.0.1:1/v1", "key", system_prompt="s")
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "terminal", "parameters": {}}}]
-    base = journal.request_hash(settings, messages, tools, False)
-    assert base == journal.request_hash(ModelSettings("m", "http://127.0.0.1:2/v1", "other key", system_prompt="s"),
-                                        [dict(m) for m in messages], tools, False)
+    base = journal.request_hash(request_args(settings, messages, tools, False))
+    elsewhere = ModelSettings("m", "http://127.0.0.1:2/v1", "other key", system_prompt="s")
+    assert base == journal.request_hash(request_args(elsewhere, [dict(m) for m in messages], tools, False))
     variants = [
         (ModelSettings("m2", "", "key"), messages, tools, False),
         (ModelSettings("m", "", "key", temperature=0.5), messages, tools, False),
@@ -165,7 +166,7 @@ def test_the_request_hash_covers_everything_that_changes_the_reply():
         (settings, messages, [{"type": "function", "function": {"name": "terminal", "parameters": {"x": 1}}}], False),
         (settings, messages, tools, True),
     ]
-    assert len({base, *(journal.request_hash(*v) for v in variants)}) == 1 + len(variants)
+    assert len({base, *(journal.request_hash(request_args(*v)) for v in variants)}) == 1 + len(variants)
 
 
 def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_path):
@@ -182,7 +183,7 @@ def test_compaction_drops_landed_prompts_and_keeps_failed_ones_for_resume(tmp_pa
     writer.close({})
     on_disk = [e["key"] for e in store.read_records(tmp_path / store.JOURNAL, [])]
     assert on_disk == ["failed", "in flight", "in flight"]  # the landed and the discarded prompt's entries are gone
-    assert store.scan(tmp_path).journal == {
+    assert resume_scan.scan(tmp_path).journal == {
         "failed": [{"key": "failed", "turn": 0, "hash": "h", "message": {"content": "failed"}, "usage": {}}],
         "in flight": [{"key": "in flight", "turn": t, "hash": h, "message": {"content": c}, "usage": {}}
                       for t, h, c in ((0, "h", "in flight"), (1, "h2", "later"))]}

@@ -12,12 +12,13 @@ from trajgen.tools import ToolSettings
 
 def test_a_cancel_hands_back_the_outcomes_already_in_the_pipe(scripted_server):
     server = scripted_server({"default": [think()]})
-    config = WorkerConfig(ModelSettings("test-model", server.url, "key", max_retries=0), SandboxConfig(),
-                          ToolSettings(), {}, concurrency=1)
+    config = WorkerConfig(model=ModelSettings("test-model", server.url, "key", max_retries=0), sandbox=SandboxConfig(),
+                          tools=ToolSettings(), unavailable_tools={}, concurrency=1)
     pool = ProcessPool(1, config)
     pool.start()
     try:
-        pool.submit(Task("k0", 0, 0, "a prompt", None, None, {}, [], []))
+        pool.submit(Task(key="k0", prompt_index=0, batch_num=0, prompt="a prompt", image=None, cwd=None, extra={},
+                         toolsets_sampled=[], toolsets_offered=[]))
         assert pool.poll(0) == []  # handed to the worker; its answer needs a request to the server
         assert pool.workers[0].conn.poll(60)  # the worker's events wait in the pipe, unread
         events = pool.cancel()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.conftest import call, kill_group, read_jsonl, think, write_jsonl
 from tests.support.inline import interrupt, when
-from trajgen import store
+from trajgen import resume_scan
 from trajgen.sandbox.roots import private_base
 
 
@@ -214,10 +214,10 @@ def test_a_run_stopped_before_any_reply_resumes_with_a_fixed_base_url_without_fo
 
 def test_a_failure_that_used_tokens_counts_as_paid(tmp_path):
     (tmp_path / "failures.jsonl").write_text('{"prompt_key": "k", "usage": {"prompt_tokens": 0, "cost": null}}\n')
-    assert not store.anything_paid(tmp_path, store.scan(tmp_path))
+    assert not resume_scan.anything_paid(tmp_path, resume_scan.scan(tmp_path))
     with open(tmp_path / "failures.jsonl", "a") as f:
         f.write('{"prompt_key": "k2", "usage": {"prompt_tokens": 12, "completion_tokens": 0}}\n')
-    assert store.anything_paid(tmp_path, store.scan(tmp_path))
+    assert resume_scan.anything_paid(tmp_path, resume_scan.scan(tmp_path))
 
 
 def test_resume_of_a_finished_run_rewrites_nothing_unless_a_file_changed(inline, scripted_server):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from trajgen import registry, trajectory
+from trajgen import registry, trajectory, verify
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.simulated_user import FollowUp, Simulator
 from trajgen.tools import ToolContext, ToolSpec
@@ -117,11 +117,15 @@ def final_answer(conv: Conversation) -> str:
     return trajectory.split_reasoning(conv.replies[-1])[1]
 
 
-def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool_names: tuple[str, ...] = ()) -> dict:
+def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool_names: tuple[str, ...] = (), *,
+               replayed: int = 0, stalls: int = 0, check: verify.Check = verify.UNVERIFIED,
+               side_usage: dict | None = None) -> dict:
     """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
     part or the prefill), each with its `message` exactly as sent (a gpt turn also with its
     `reasoning`), the tools offered, per-tool counts (of every tool of the run, the MCP servers'
-    included, so every row has the same keys), and the metadata the statistics read."""
+    included, so every row has the same keys), the metadata the statistics read, and the verify check.
+    `replayed`: calls the journal answered (counted in the usage, not paid again); `stalls`: calls
+    abandoned for silence and asked again; `side_usage`: what each side model cost (trajgen/roles.py)."""
     turns = [{"from": "system", "value": settings.system_prompt,
               "message": {"role": "system", "content": settings.system_prompt}}] if settings.system_prompt else []
     turns.append({"from": "human", "value": task.prompt, "message": conv.messages[conv.prompt_at]})
@@ -161,17 +165,19 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "dataset": {"fingerprint": task.dataset_fingerprint, "line": task.prompt_index + 1},
         "hallucinated_tools": hallucinated, "assistant_turns": len(conv.replies), "turns_with_reasoning": reasoning_turns,
         "finish_reasons": conv.finish_reasons,
-        "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
+        "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds,
+                  "replayed": replayed, "stalls": stalls},
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
         **({"episode": {"ended": conv.episode_end, "user_turns": len(conv.simulated), "user_model": conv.user_model}}
            if conv.episode_end else {}),
+        **({"side_usage": side_usage} if side_usage else {}),
     }
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,
         "api_calls": len(conv.replies),
         "toolsets_used": task.toolsets_offered, "tool_stats": stats,
-        "tool_error_counts": {name: s["failure"] for name, s in stats.items()},
+        "tool_error_counts": {name: s["failure"] for name, s in stats.items()}, "verify": check.as_row(),
     }
 
 

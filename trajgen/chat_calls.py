@@ -329,11 +329,9 @@ def request_args(settings: ModelSettings, messages: list[dict], tools: list[dict
     return args
 
 
-def request_body(settings: ModelSettings, messages: list[dict], tools: list[dict] | None,
-                 forbid_tools: bool = False) -> bytes:
-    """Serialized once by orjson: the SDK's typed `create` walks every message of the history in
-    Python on every call, which cost more CPU than the rest of a turn."""
-    args = request_args(settings, messages, tools, forbid_tools)
+def request_body(settings: ModelSettings, args: dict) -> bytes:
+    """`args` (request_args) serialized once by orjson: the SDK's typed `create` walks every message of the
+    history in Python on every call, which cost more CPU than the rest of a turn."""
     if settings.stream:  # not part of request_args: the journal's hash does not depend on it
         args |= {"stream": True, "stream_options": {"include_usage": True}}
     return orjson.dumps(args)
@@ -454,10 +452,12 @@ async def complete(
     forbid_tools: bool = False,
     on_stall: Callable[[], None] = lambda: None,
     on_retry: Callable[[Exception, int, int, float], None] | None = None,
+    args: dict | None = None,
 ) -> Completion:
     """One chat completion, retried per the policy above; `on_stall` hears of every stalled try,
-    `on_retry(error, attempt, max_retries, wait)` of each wait."""
-    body = request_body(settings, messages, tools, forbid_tools)
+    `on_retry(error, attempt, max_retries, wait)` of each wait. `args`: the request_args of the
+    other arguments, when the caller built them already (the journal, to hash them)."""
+    body = request_body(settings, request_args(settings, messages, tools, forbid_tools) if args is None else args)
     started, wait = time.monotonic(), 0.0
     for attempt in range(settings.max_retries + 1):
         try:

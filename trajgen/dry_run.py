@@ -46,7 +46,8 @@ async def _probe(settings: ModelSettings, retried: bool) -> Probe:
         if retried:
             completion = await chat_calls.complete(endpoint, settings, ping, None, on_throttle=lambda: None)
         else:
-            completion = await endpoint.call(chat_calls.request_body(settings, ping, None))
+            body = chat_calls.request_body(settings, chat_calls.request_args(settings, ping, None))
+            completion = await endpoint.call(body)
         return Probe(reply=completion, usage=reply_usage(completion.usage, settings.price_per_mtok))
     except (errors.APIStatusError, errors.APIConnectionError, errors.ProviderError, errors.MalformedResponse,
             errors.FatalAPIError) as e:

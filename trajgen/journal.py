@@ -26,12 +26,11 @@ from trajgen.model import USAGE_KEYS, ModelClient, Reply, checked, counted
 from trajgen.task import ModelSettings, Task
 
 
-def request_hash(settings: ModelSettings, messages: list[dict], tools: list[dict], forbid_tools: bool) -> str:
-    """sha256 of the request body as sent (model, messages with the system prompt, tool schemas,
-    tool_choice, sampling settings, extra body), as canonical JSON. The endpoint's address is not
-    part of it: a local server's port changes between runs."""
-    body = chat_calls.request_args(settings, messages, tools, forbid_tools)
-    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+def request_hash(args: dict) -> str:
+    """sha256 of the request body as sent (`chat_calls.request_args`: model, messages with the system prompt,
+    tool schemas, tool_choice, sampling settings, extra body), as canonical JSON. The endpoint's address is
+    not part of it: a local server's port changes between runs."""
+    return hashlib.sha256(orjson.dumps(args, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 class Cache:
@@ -154,14 +153,15 @@ class JournalModel:
 
     async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
         turn, self.turn = self.turn, self.turn + 1
-        digest = request_hash(self.settings, messages, tools, forbid_tools)
+        args = chat_calls.request_args(self.settings, messages, tools, forbid_tools)  # built once: hashed, then sent
+        digest = request_hash(args)
         reply = self.journaled.get((turn, digest))
         if reply is None and self.cache is not None:
             reply = await self._cached(digest)
         if reply is not None:
             self._count(reply)
             return reply
-        reply = await self.model.complete(messages, tools, forbid_tools)
+        reply = await self.model.complete(messages, tools, forbid_tools, args)
         self.send(Replied(self.key, turn, digest, reply, self.role))
         if self.cache is not None and (notice := await asyncio.to_thread(self.cache.put, self.key, digest, reply)):
             self.send(notice)

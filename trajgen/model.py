@@ -30,9 +30,11 @@ class Reply:
 
 
 class ModelClient(Protocol):
-    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool,
+                       args: dict | None = None) -> Reply:
         """One reply to `messages`. With `forbid_tools` the tools stay listed (providers refuse a
-        history of tool calls without them) but may not be called."""
+        history of tool calls without them) but may not be called. `args`: the request's body
+        (`chat_calls.request_args`) when the caller built it already, the journal to hash it."""
         ...
 
 
@@ -48,9 +50,10 @@ class OpenAIModel:
     def _stalled(self) -> None:
         self.stalls += 1
 
-    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool,
+                       args: dict | None = None) -> Reply:
         response = await chat_calls.complete(self.endpoint, self.settings, messages, tools, self.on_throttle, forbid_tools,
-                                      self._stalled, self.on_retry)
+                                      self._stalled, self.on_retry, args)
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, reply_usage(response.usage, self.settings.price_per_mtok))
@@ -162,9 +165,10 @@ class Metered:
     def __init__(self, model: ModelClient):
         self.model, self.usage = model, no_usage()
 
-    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool,
+                       args: dict | None = None) -> Reply:
         try:
-            reply = await self.model.complete(messages, tools, forbid_tools)
+            reply = await self.model.complete(messages, tools, forbid_tools, args)
         except MalformedResponse as e:
             add_usage(self.usage, e.usage)
             raise
@@ -179,7 +183,8 @@ class ScriptedModel:
         self.replies = list(replies)
         self.requests: list[dict] = []
 
-    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool,
+                       args: dict | None = None) -> Reply:
         self.requests.append({"messages": [dict(m) for m in messages], "tools": tools, "forbid_tools": forbid_tools})
         if not self.replies:
             raise AssertionError("the script has no reply left")

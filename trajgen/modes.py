@@ -2,7 +2,7 @@
 models, the viewer, or one run. It sits above run.py and several_models.py, which runs run.py's runs."""
 from __future__ import annotations
 
-from trajgen import help_text, run
+from trajgen import help_text, run, tool_check
 from trajgen.options import RunOptions
 from trajgen.tools import mcp_config
 
@@ -14,13 +14,12 @@ def main(opts: RunOptions) -> int:
         print(help_text.distributions_text(tuple(s.name for s in servers)))
         return 0
     if opts.list_tools:
-        from trajgen import tool_check
         print(tool_check.listing(opts))
         return 0
     if opts.export:
         return run.run_export(opts)
     if opts.compare:
-        from trajgen import compare_command
+        from trajgen import compare_command  # it and several_models import the viewer's comparison page
         return compare_command.run(opts)
     if opts.models:
         from trajgen import several_models

@@ -36,7 +36,7 @@ def sample_key(key: str, index: int) -> str:
     return key if index == 0 else f"{key}~{index}"
 
 
-def tasks(entries: Iterable[dataset.Entry], fingerprint: str, done: set[str], distribution: Distribution, seed: int,
+def tasks(entries: Iterable[dataset.Entry], *, fingerprint: str, done: set[str], distribution: Distribution, seed: int,
           batch_size: int, first_batch: int, unavailable: dict[str, str],
           journal: dict[str, list[dict]], samples: int = 1, toolsets_per_sample: bool = False) -> Iterator[Task]:
     """Every sample of the keyed `entries` without a final record, in dataset order (a prompt's
@@ -51,9 +51,11 @@ def tasks(entries: Iterable[dataset.Entry], fingerprint: str, done: set[str], di
             if key in done:
                 continue
             sampled = sample_toolsets(distribution, seed, key if toolsets_per_sample else entry.key)
-            yield Task(key, entry.index, first_batch + n // batch_size, entry.prompt, entry.image, entry.cwd,
-                       extra, sampled, [t for t in sampled if t not in unavailable], fingerprint,
-                       tuple(journal.get(key, ())), entry.verify, index, entry.key, user=entry.user)
+            yield Task(key=key, prompt_index=entry.index, batch_num=first_batch + n // batch_size,
+                       prompt=entry.prompt, image=entry.image, cwd=entry.cwd, extra=extra, toolsets_sampled=sampled,
+                       toolsets_offered=[t for t in sampled if t not in unavailable],
+                       dataset_fingerprint=fingerprint, replay=tuple(journal.get(key, ())), verify=entry.verify,
+                       sample_index=index, group_id=entry.key, user=entry.user)
             n += 1
 
 

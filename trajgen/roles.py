@@ -38,9 +38,10 @@ class Named:
     def __init__(self, model: ModelClient, role: str, settings: ModelSettings):
         self.model, self.where = model, f"{ENDPOINT_FLAGS[role]}={settings.base_url}"
 
-    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool) -> Reply:
+    async def complete(self, messages: list[dict], tools: list[dict], forbid_tools: bool,
+                       args: dict | None = None) -> Reply:
         try:
-            return await self.model.complete(messages, tools, forbid_tools)
+            return await self.model.complete(messages, tools, forbid_tools, args)
         except EndpointUnreachable as e:
             raise SideEndpointUnreachable(f"{self.where} cannot be reached: {e}") from e
         except FatalAPIError as e:

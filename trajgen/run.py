@@ -15,20 +15,19 @@ from typing import Callable, Iterator
 import orjson
 
 from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
-from trajgen import plan as plan_module
+from trajgen import plan as plan_module, resume_scan
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
 from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
-from trajgen.sandbox.apptainer import runtime_problem as apptainer_problem
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
-from trajgen.sandbox.backends import prepare_host
+from trajgen.sandbox.backends import prepare_host, runtime_problem
 from trajgen.tools import ToolSettings, ToolSpec, mcp_config
 from trajgen.task import ModelSettings, Task, WorkerConfig
 from trajgen.process_pool import ProcessPool, worker_share
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
     """Everything decided before the first request: the checked options, the plan, the settings."""
 
@@ -36,7 +35,7 @@ class Prepared:
     run_dir: Path
     check: dataset.DatasetCheck
     manifest: dict
-    scan: store.Scan
+    scan: resume_scan.Scan
     model: ModelSettings
     tools: ToolSettings
     unavailable_tools: dict[str, str]
@@ -55,9 +54,11 @@ class Prepared:
         opts = self.opts
         if entries is None:
             entries = dataset.entries(str(opts.dataset_file), self.check.duplicates, opts.max_samples)
-        return plan_module.tasks(entries, self.check.fingerprint, self.scan.done, self.distribution,
-                                 opts.seed, opts.batch_size, self.scan.next_batch, self.unavailable_sets,
-                                 self.scan.journal, opts.samples_per_prompt, opts.toolsets_per_sample)
+        return plan_module.tasks(entries, fingerprint=self.check.fingerprint, done=self.scan.done,
+                                 distribution=self.distribution, seed=opts.seed, batch_size=opts.batch_size,
+                                 first_batch=self.scan.next_batch, unavailable=self.unavailable_sets,
+                                 journal=self.scan.journal, samples=opts.samples_per_prompt,
+                                 toolsets_per_sample=opts.toolsets_per_sample)
 
     def counted(self) -> Prepared:
         """With the dataset checked (into a new `check`) and the plan counted, in one pass."""
@@ -166,15 +167,16 @@ def prepare(opts: RunOptions) -> Prepared:
     if opts.resume and not existed and not opts.overwrite:
         raise UsageError(f"--resume: there is no run {run_dir} to continue (check --run_name and --output_dir, "
                          "or leave out --resume to start it)")
-    scan, refused = _look_at_run_dir(run_dir, opts) if existed else (store.Scan(), None)
+    scan, refused = _look_at_run_dir(run_dir, opts) if existed else (resume_scan.Scan(), None)
     tools = opts.tool_settings(api_key)
     unavailable_tools = registry.unavailable_tools(tools)
     unavailable_sets = registry.unavailable_toolsets(unavailable_tools)
     fresh = opts.overwrite or not existed
     left_out = _left_out(distribution, unavailable_sets, run_dir, fresh)
-    prepared = Prepared(opts, run_dir, dataset.DatasetCheck(), {}, scan, opts.model_settings(api_key, prefill), tools,
-                        unavailable_tools, unavailable_sets, Plan(), without(distribution, left_out), fresh,
-                        mcp_servers=servers, left_out=left_out).counted()
+    prepared = Prepared(opts=opts, run_dir=run_dir, check=dataset.DatasetCheck(), manifest={}, scan=scan,
+                        model=opts.model_settings(api_key, prefill), tools=tools, unavailable_tools=unavailable_tools,
+                        unavailable_sets=unavailable_sets, plan=Plan(), distribution=without(distribution, left_out),
+                        fresh=fresh, mcp_servers=servers, left_out=left_out).counted()
     _say_what_is_wrong_with(prepared.check, opts)
     if refused:
         raise refused
@@ -214,9 +216,11 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
-    config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
-                          worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.verbose,
-                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools,
+    config = WorkerConfig(model=prepared.model, sandbox=sandbox, tools=prepared.tools,
+                          unavailable_tools=prepared.unavailable_tools,
+                          concurrency=worker_share(opts.concurrency, 1 if auto else opts.num_workers),
+                          verbose=opts.verbose, cache_dir=opts.cache_dir, verify_timeout=opts.verify_timeout,
+                          cache_max_mb=opts.cache_max_mb, mcp_tools=prepared.mcp_tools,
                           user=opts.simulated_user(prepared.model))
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
@@ -225,8 +229,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
         from trajgen.ray_executor import make_executor
         pool = make_executor(opts.executor, workers, config, opts.ray_address, opts.worker_cpus, opts.worker_memory,
                              tuple(prepared.plan.images), opts.require_toolsets)
-    limits = scheduler.Limits(opts.run_name, opts.batch_size, opts.concurrency, opts.verbose, opts.max_cost,
-                              opts.max_total_tokens, health_check)
+    limits = scheduler.Limits(run_name=opts.run_name, batch_size=opts.batch_size, concurrency=opts.concurrency,
+                              verbose=opts.verbose, max_cost=opts.max_cost, max_total_tokens=opts.max_total_tokens,
+                              health_check=health_check)
     cache = journal.Cache(opts.cache_dir, opts.cache_max_mb) if opts.cache_dir else None
     if cache:
         cache.open()
@@ -370,7 +375,7 @@ def _say_what_is_wrong_with(check: dataset.DatasetCheck, opts: RunOptions) -> No
         raise UsageError(f"{opts.dataset_file}: no prompts to run")
 
 
-def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[store.Scan, UsageError | None]:
+def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[resume_scan.Scan, UsageError | None]:
     """An existing run directory, locked and scanned before the dataset is read, with a refusal to use
     it kept for after the dataset's errors (a new one is made only once the dataset has passed)."""
     try:
@@ -378,7 +383,7 @@ def _look_at_run_dir(run_dir: Path, opts: RunOptions) -> tuple[store.Scan, Usage
             store.lock_run_dir(run_dir)
         return _prepare_run_dir(run_dir, opts), None
     except UsageError as e:
-        return store.Scan(), e
+        return resume_scan.Scan(), e
 
 
 def _make_run_dir(prepared: Prepared) -> Prepared:
@@ -389,18 +394,18 @@ def _make_run_dir(prepared: Prepared) -> Prepared:
     return replace(prepared, scan=_prepare_run_dir(prepared.run_dir, prepared.opts)).counted()
 
 
-def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> store.Scan:
+def _prepare_run_dir(run_dir: Path, opts: RunOptions) -> resume_scan.Scan:
     """Refuse to clobber, check a resumed run's settings, and scan what is already done."""
     exists = bool(store.entries(run_dir))
     if exists and not opts.resume and not opts.overwrite:
         raise UsageError(f"run directory {run_dir} already exists: pass --resume to continue it or --overwrite to start again")
     if not exists or opts.overwrite:
-        return store.Scan()
+        return resume_scan.Scan()
     manifest_path = run_dir / "manifest.json"
     changed = opts.changed_since(store.read_json(manifest_path)) if manifest_path.exists() and not opts.force else []
-    scan = store.scan(run_dir)
+    scan = resume_scan.scan(run_dir)
     said = f"the run's settings changed ({'; '.join(changed)})"
-    if changed and store.anything_paid(run_dir, scan):
+    if changed and resume_scan.anything_paid(run_dir, scan):
         raise UsageError(f"{said}; pass --force to resume anyway")
     if changed:  # a wrong --base_url or model name stopped the run before any reply: nothing to keep apart
         console.notice(f"{said}; nothing was paid with the old ones, so the run goes on with the new ones")
@@ -471,8 +476,8 @@ def _say_what_is_missing(prepared: Prepared) -> None:
             raise UsageError(f"bubblewrap cannot run here ({problem}); install it (apt-get install bubblewrap) "
                              "or pass --unsafe_local for weaker, directory-only isolation")
         console.notice(f"bubblewrap cannot run here ({problem}); --unsafe_local: sandboxes are plain directories")
-    if opts.backend == "apptainer" and not _on_cluster(opts) and plan.images and (problem := apptainer_problem()):
-        raise UsageError(f"the apptainer backend cannot run here: {problem}")
+    if not _on_cluster(opts) and plan.images and (problem := runtime_problem(opts.backend)):
+        raise UsageError(f"the {opts.backend} backend cannot run here: {problem}")
 
 
 def _probe_mcp(prepared: Prepared, sandbox: SandboxConfig) -> tuple[ToolSpec, ...]:

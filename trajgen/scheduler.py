@@ -39,7 +39,7 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Limits:
     run_name: str
     batch_size: int

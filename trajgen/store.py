@@ -4,7 +4,7 @@ Files: batch_<N>.jsonl (ok rows), discarded.jsonl and failures.jsonl (side recor
 journal.jsonl (the replies of prompts not yet landed, trajgen/journal.py), manifest.json (the
 run's settings), checkpoint.json (progress), statistics.json and trajectories.jsonl (the merge).
 Rows are appended as whole lines with one write and fsynced per batch; the JSON files are
-replaced atomically. Resume trusts the rows, not the checkpoint. Every append starts on a fresh
+replaced atomically. Resume trusts the rows, not the checkpoint (resume_scan.py). Every append starts on a fresh
 line, so a line torn by a kill or a full disk never swallows the next record; a full disk (DiskFull)
 or a run directory turned read-only (ReadOnly) stops the run with the rows already written kept.
 """
@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -180,17 +179,6 @@ def _row_keys(path: Path, torn: list[str], settled: bool) -> Iterator[str]:
                 yield key
 
 
-@dataclass
-class Scan:
-    """What the run directory already holds: the keys with a final record, and where to go on."""
-
-    done: set[str] = field(default_factory=set)
-    next_batch: int = 0
-    torn: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # damaged or missing files, said at the start
-    journal: dict[str, list[dict]] = field(default_factory=dict)  # prompt key -> its journaled replies, if not done
-
-
 def row_key(row: dict) -> str | None:
     metadata = row.get("metadata")
     key = metadata.get("prompt_key") if isinstance(metadata, dict) else None
@@ -210,45 +198,23 @@ def row_keys(run_dir: Path, torn: list[str]) -> Iterator[str]:
         yield from _row_keys(path, torn, number in trusted)
 
 
-def scan(run_dir: Path) -> Scan:
-    result = Scan()
-    result.done.update(row_keys(run_dir, result.torn))
-    present = {number for number, _ in batch_files(run_dir)}
-    result.next_batch = max(present, default=-1) + 1
-    for record in read_records(run_dir / DISCARDED, result.torn):
-        if isinstance(record.get("prompt_key"), str):
-            result.done.add(record["prompt_key"])
-    unreadable: list[str] = []
+def final_keys(run_dir: Path, torn: list[str]) -> set[str]:
+    """The keys with a final record: a row in a batch file, or a discard."""
+    done = set(row_keys(run_dir, torn))
+    done.update(record["prompt_key"] for record in read_records(run_dir / DISCARDED, torn)
+                if isinstance(record.get("prompt_key"), str))
+    return done
+
+
+def journal_entries(run_dir: Path, done: set[str], unreadable: list[str]) -> dict[str, list[dict]]:
+    """The replayable journal entries of the prompts not `done`, by key; each unreadable line noted in `unreadable`."""
+    entries: dict[str, list[dict]] = {}
     for entry in read_records(run_dir / JOURNAL, unreadable):
         if not _journal_entry(entry):
             unreadable.append(JOURNAL)
-        elif entry["key"] not in result.done:
-            result.journal.setdefault(entry["key"], []).append(entry)
-    if unreadable:
-        result.notes.append(f"{JOURNAL} has {len(unreadable)} unreadable line(s) (a kill mid-write, or damage): "
-                            "the replies they held will be asked for, and paid for, again")
-    for name in (CHECKPOINT, "statistics.json"):
-        try:
-            read_json(run_dir / name)
-        except UnreadableFile as e:
-            result.notes.append(str(e))
-        except FileNotFoundError:
-            pass
-    missing = [f"batch_{n}.jsonl" for n in read_checkpoint(run_dir).get("batch_files", []) if n not in present]
-    if missing:
-        result.notes.append(f"{', '.join(missing)} written by an earlier run are gone: their prompts run again")
-    return result
-
-
-def anything_paid(run_dir: Path, found: Scan) -> bool:
-    """Whether the run directory holds something an endpoint was paid for: a row or a discard, a
-    journaled reply, a torn line, or a failure whose attempts used tokens. Settings that paid for
-    nothing are not the run's: a resume may change them freely."""
-    if found.done or found.journal or found.torn:
-        return True
-    return any(isinstance(usage := record.get("usage"), dict)
-               and any(usage.get(k) for k in ("prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"))
-               for record in read_records(run_dir / FAILURES, []))
+        elif entry["key"] not in done:
+            entries.setdefault(entry["key"], []).append(entry)
+    return entries
 
 
 def _journal_entry(entry: dict) -> bool:
@@ -366,8 +332,8 @@ class Journal:
         self.landed: set[str] = set()  # of those, the ones whose entries can go at the next compaction
         self._compacted_size = 0  # of the journal after the last compaction
         if self.file.size():  # an earlier run may have died before compacting it
-            found = scan(run_dir)
-            self.landed, self.journaled = found.done, set(found.journal)
+            self.landed = final_keys(run_dir, [])
+            self.journaled = set(journal_entries(run_dir, self.landed, []))
 
     def append(self, entry: dict) -> None:
         with self._lock:

@@ -44,7 +44,7 @@ class SimulatedUser:
     for_all: bool = False  # rows without a `user` field get one too (--user_for_all)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     model: ModelSettings
     sandbox: SandboxConfig
@@ -59,7 +59,7 @@ class WorkerConfig:
     user: SimulatedUser | None = None  # the simulated user, when --user_model is set
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Task:
     key: str  # the sample's identity: the prompt's key for sample 0, `<prompt key>~<i>` for sample i
     prompt_index: int

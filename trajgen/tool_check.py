@@ -16,7 +16,7 @@ from trajgen.errors import UsageError
 from trajgen.options import DEFAULT_BASE_URL, RunOptions
 from trajgen.plan import SANDBOX_TOOLSETS
 from trajgen.sandbox import SandboxError
-from trajgen.sandbox.backends import BACKENDS, bwrap_problem
+from trajgen.sandbox.backends import BACKENDS, bwrap_problem, runtime_problem
 
 FETCHING = ("web_extract",)  # tools outside the browser toolset that fetch a URL the model names
 
@@ -62,8 +62,7 @@ def sandbox_problem(opts: RunOptions) -> str | None:
     if backend == "docker":
         return _docker_problem()
     if backend == "apptainer":
-        from trajgen.sandbox.apptainer import runtime_problem
-        problem = runtime_problem()
+        problem = runtime_problem(backend)
         return f"{problem}: install Apptainer, or choose another --terminal_backend" if problem else None
     if importlib.util.find_spec("modal") is None:
         return "the modal SDK is not installed: pip install 'trajgen-batch-runner[modal]'"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from trajgen.sandbox import Sandbox, SandboxError
-from trajgen.sandbox.docker import PREFER_BASH
+from trajgen.sandbox.shell import PREFER_BASH
 
 FINAL_ANSWER = ".trajgen/final_answer.txt"
 OUTPUT_TAIL = 2000  # characters of the command's output a row keeps: the end, where test summaries are

@@ -122,12 +122,10 @@ class Worker:
             async with deadline:
                 conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx, self._simulator(task, prompt))
-            row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
-            row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
-            row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
-            row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
-            if prompt.side:
-                row["metadata"]["side_usage"] = roles.side_usage(prompt.side)
+            check = await self._verify(task, conversation, prompt)
+            row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools),
+                                   replayed=model.replayed, stalls=endpoint.stalls, check=check,
+                                   side_usage=roles.side_usage(prompt.side) if prompt.side else None)
             return decide(task, row=row, usage=roles.prompt_usage(row["metadata"]), files=prompt.ctx.files)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline

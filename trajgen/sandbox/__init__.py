@@ -1,6 +1,7 @@
 """Per-prompt sandboxes: where the model's commands and file edits happen.
 
-This module holds the data and the protocol; `backends` opens sandboxes by backend name
+This module holds the data and the protocol; `backends` opens sandboxes by backend name, importing a backend's
+module only when a run selects it
 (`local`: bubblewrap, `docker`, `apptainer`, `modal`), `process` runs and caps commands. A backend builds one
 sandbox per prompt, lazily, at the prompt's first tool call; the conversation closes it when
 the prompt ends. Every backend returns plain data, and nothing here has side effects until a
@@ -11,7 +12,10 @@ from __future__ import annotations
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+SESSION_TAG = "trajgen.session"  # every sandbox of one invocation (SandboxConfig.label)
+RUN_TAG = "trajgen.run"  # every sandbox of one run directory, whichever invocation started it (run_id)
 
 
 @dataclass
@@ -35,7 +39,7 @@ class BackendUnreachable(SandboxError):
 class SandboxConfig:
     """The run's sandbox settings: built once by the parent, pickled to every worker."""
 
-    backend: str = "local"  # a key of config.BACKENDS
+    backend: str = "local"  # a key of backends.BACKENDS
     command_timeout: float = 180
     docker_image: str = "python:3.11-slim"  # used when a row names no image
     docker_root: bool = False  # run container commands as root (images that need it) instead of uid 65534
@@ -75,6 +79,19 @@ class Sandbox(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the runner needs of a backend, which each backend's module declares as its `BACKEND`: open a
+    prompt's sandbox; for backends that run a row's container image, check an image before the first
+    request and remove tagged leftovers; what keeps it from running here, what it cannot limit here."""
+
+    open: Callable[[SandboxConfig, str, str | None, str | None], Sandbox]
+    check_image: Callable[[str, SandboxConfig], Awaitable[str | None]] | None = None  # None if usable, else why not
+    remove: Callable[[str, str], None] | None = None  # remove(tag, value): every sandbox carrying the tag
+    runtime_problem: Callable[[], str | None] | None = None  # None if its runtime can run here, else why not
+    limit_notices: Callable[[], list[str]] | None = None
 
 
 async def read_file(sandbox: Sandbox, path: str, max_bytes: int) -> bytes:

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, roots, shares
-from trajgen.sandbox.docker import ONE_CALL, READ, WRITE
+from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, ExecResult, SandboxConfig, SandboxError, roots, shares
 from trajgen.sandbox.process import last_line, run_cli, run_process, stream_stdout
+from trajgen.sandbox.shell import ONE_CALL, READ, WRITE
 
 RUNTIMES = ("apptainer", "singularity")  # the same CLI under its old name
 BUILD_TIMEOUT = 900.0
@@ -246,8 +246,6 @@ async def check_image(image: str, config: SandboxConfig) -> str | None:
 
 def remove_instances(tag: str, value: str) -> None:
     """Stop every instance whose name carries <tag>=<value>; quiet when the runtime is absent."""
-    from trajgen.sandbox.backends import RUN_TAG, SESSION_TAG  # backends.py registers this module
-
     if runtime() is None:
         return
     position = {RUN_TAG: 1, SESSION_TAG: 2}[tag]
@@ -262,3 +260,6 @@ def remove_instances(tag: str, value: str) -> None:
                                env=runtime_env())
     except (OSError, subprocess.TimeoutExpired, ValueError, AttributeError):
         pass
+
+
+BACKEND = Backend(open_apptainer, check_image, remove_instances, runtime_problem, limit_notices)

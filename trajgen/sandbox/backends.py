@@ -7,66 +7,51 @@ at exit and after a worker crash, so nothing a crashed worker left behind surviv
 from __future__ import annotations
 
 import asyncio
-import os
-from dataclasses import dataclass
-from typing import Awaitable, Callable
+import importlib
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox, shares
-from trajgen.sandbox.local import bwrap_problem, open_local
+from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, Sandbox, SandboxConfig, SandboxError, cgroups, shares
+from trajgen.sandbox.local import bwrap_problem
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
-__all__ = ["SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images", "new_root_dir",
-           "limit_notices", "prepare_host", "runs_images"]
+__all__ = ["BACKENDS", "SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images",
+           "new_root_dir", "limit_notices", "prepare_host", "runs_images", "runtime_problem"]
 
-SESSION_TAG = "trajgen.session"  # every sandbox of one invocation (SandboxConfig.label)
-RUN_TAG = "trajgen.run"  # every sandbox of one run directory, whichever invocation started it (run_id)
-
-
-@dataclass(frozen=True)
-class Backend:
-    """What the runner needs of a backend: open a prompt's sandbox; for backends that run a row's
-    container image, check an image before the first request and remove tagged leftovers."""
-
-    open: Callable[[SandboxConfig, str, str | None, str | None], Sandbox]
-    check_image: Callable[[str, SandboxConfig], Awaitable[str | None]] | None = None  # None if usable, else why not
-    remove: Callable[[str, str], None] | None = None  # remove(tag, value): every sandbox carrying the tag
-
-
-BACKENDS: dict[str, Backend] = {
-    "local": Backend(open_local),
-    "docker": Backend(docker.open_docker, docker.check_image, docker.remove_containers),
-    "apptainer": Backend(apptainer.open_apptainer, apptainer.check_image, apptainer.remove_instances),
-    "modal": Backend(modal_sandbox.open_modal, modal_sandbox.check_image, modal_sandbox.remove_sandboxes),
+# backend name -> the module that declares its `BACKEND`, imported only when a run selects it: a local run loads
+# no container SDK
+BACKENDS: dict[str, str] = {
+    "local": "trajgen.sandbox.local",
+    "docker": "trajgen.sandbox.docker",
+    "apptainer": "trajgen.sandbox.apptainer",
+    "modal": "trajgen.sandbox.modal_sandbox",
 }
+
+
+def backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise SandboxError(f"unknown sandbox backend {name!r} (expected one of {', '.join(BACKENDS)})")
+    return importlib.import_module(BACKENDS[name]).BACKEND
 
 
 def open_sandbox(config: SandboxConfig, key: str, image: str | None = None, cwd: str | None = None) -> Sandbox:
     """One prompt's sandbox; `key` names its work dir or container. Containers start lazily, at first use."""
-    backend = BACKENDS.get(config.backend)
-    if backend is None:
-        raise SandboxError(f"unknown sandbox backend {config.backend!r} (expected one of {', '.join(BACKENDS)})")
-    return backend.open(config, key, image, cwd)
+    return backend(config.backend).open(config, key, image, cwd)
 
 
-def runs_images(backend: str) -> bool:
+def runs_images(name: str) -> bool:
     """Whether a row's `image` means anything to this backend."""
-    return BACKENDS[backend].check_image is not None
+    return backend(name).check_image is not None
 
 
 def limit_notices(config: SandboxConfig) -> list[str]:
     """What the sandboxes cannot limit on this machine, to say once at the start of a run."""
-    if config.backend == "apptainer":
-        return apptainer.limit_notices()
-    if config.backend != "local" or bwrap_problem():
-        return []
-    notices = []
-    if os.geteuid() != 0:
-        notices.append("the runner is not root: sandboxes share its uid, their work dirs have no size limit, "
-                       "their PTYs no share of the machine's, and commands can read their command loop's memory")
-    if reason := cgroups.problem():
-        notices.append(f"sandboxes get no cgroup ({reason}): memory and processes are limited per process "
-                       "and per uid only, and /tmp pages are not counted")
-    return notices
+    notices = backend(config.backend).limit_notices
+    return notices() if notices else []
+
+
+def runtime_problem(name: str) -> str | None:
+    """Why the backend's runtime cannot run on this machine, or None."""
+    problem = backend(name).runtime_problem
+    return problem() if problem else None
 
 
 def prepare_host(config: SandboxConfig) -> list[str]:
@@ -90,7 +75,7 @@ def cleanup(config: SandboxConfig) -> None:
     if config.root_dir:
         remove_root(config.root_dir)
         release_root(config.root_dir)
-    if remove := BACKENDS[config.backend].remove:
+    if remove := backend(config.backend).remove:
         remove(SESSION_TAG, config.label)
 
 
@@ -102,7 +87,7 @@ def reap(config: SandboxConfig) -> None:
     if not config.run_id:
         return
     cgroups.remove(run_id=config.run_id)
-    if (remove := BACKENDS[config.backend].remove) and not config.keep:
+    if (remove := backend(config.backend).remove) and not config.keep:
         remove(RUN_TAG, config.run_id)
 
 
@@ -111,7 +96,7 @@ async def check_images(images: list[str], config: SandboxConfig) -> dict[str, st
 
     Sandboxes never pull or build, so this is where a run learns up front which images it cannot use.
     """
-    check = BACKENDS[config.backend].check_image
+    check = backend(config.backend).check_image
     if check is None:
         return {}
     distinct = list(dict.fromkeys(images))

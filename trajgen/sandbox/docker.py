@@ -26,25 +26,14 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError, roots, seccomp, shares
+from trajgen.sandbox import Backend, BackendUnreachable, ExecResult, SandboxConfig, SandboxError, roots, seccomp, shares
 from trajgen.sandbox.docker_client import STDOUT, EngineError, Exec, call, pull, run_exec, start_exec, sync_call
 from trajgen.sandbox.process import Capture, last_line
+from trajgen.sandbox.shell import KILL_ALL, MERGED, READ, REAPER, WRITE
 from trajgen.sandbox.supervisor import LOOP_ARGV, Channel, Supervisor
 
 PULL_TIMEOUT = 900.0
 CONTROL_TIMEOUT = 120.0  # container create / start / rm, image inspect
-# PID 1: waits, with no child of its own, on a FIFO nobody else may open, and reaps each orphan as it dies
-# (SIGCHLD breaks the wait). A child (a `sleep`) would be a process the commands' user cannot signal, and
-# `kill -9 -1` counts those as success: the command loop's wait for every killed process would never end.
-REAPER = ("trap : CHLD; if mkfifo -m 600 /dev/.trajgen-reaper; then while :; do wait; read _ < /dev/.trajgen-reaper; "
-          "done; fi 2>/dev/null; while :; do sleep 2147483647 & wait; done")
-PREFER_BASH = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
-# the call's shell runs the command, then kills every process it may signal (its uid's; all but PID 1 as root)
-ONE_CALL = f'({PREFER_BASH}) </dev/null; code=$?; kill -9 -1 2>/dev/null; exit $code'
-MERGED = f"exec 2>&1; {ONE_CALL}"  # stdout and stderr interleaved in one stream, as the other backends give them
-KILL_ALL = ("sh", "-c", "kill -9 -1 2>/dev/null; true")  # every process the caller may signal, but itself
-WRITE = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
-READ = '[ ! -e "$1" ] || [ -f "$1" ] || { echo "not a regular file" >&2; exit 1; }; exec cat -- "$1"'
 HAS_BASH = ("sh", "-c", "command -v bash >/dev/null")  # what the command loop needs of an image
 # The loop's bash: a root-owned copy its user may execute but not read. The kernel makes a process that
 # execs a file it cannot read non-dumpable, so no command (each the exec of the image's own, readable
@@ -287,3 +276,6 @@ def remove_containers(tag: str, value: str) -> None:
             sync_call("remove_container", container["Id"], force=True)
     except SandboxError:
         pass
+
+
+BACKEND = Backend(open_docker, check_image, remove_containers)

@@ -25,19 +25,17 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from trajgen import locks
-from trajgen.sandbox import ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares
+from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares
+from trajgen.sandbox.binds import SYSTEM_DIRS, passable_parents, under
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
 from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, process_channel
-
-if TYPE_CHECKING:
-    from trajgen.sandbox.visible import Visible
+from trajgen.sandbox.visible import Visible
 
 NOBODY = 65534
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 DEFAULT_CWD = "/workspace"
 NEW_PRIVILEGES_OFF = ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # setpriv's last options
 # moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
@@ -65,10 +63,6 @@ def prlimit_argv(config: SandboxConfig) -> list[str]:
             f"--nofile={shares.open_files(config.slots, config.max_processes)}", "--"]
 
 
-def under(path: str, dirs: tuple[str, ...]) -> bool:
-    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
-
-
 def bwrap_system_binds() -> list[str]:
     """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
     args: list[str] = []
@@ -80,17 +74,6 @@ def bwrap_system_binds() -> list[str]:
     prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
     if not under(prefix, SYSTEM_DIRS):
         args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
-    return args
-
-
-def passable_parents(path: str, skip: tuple[str, ...] = SYSTEM_DIRS) -> list[str]:
-    """bwrap options making each parent of `path` but those under `skip` a passable dir: e.g. /root is
-    0700 on the host, and the sandbox's uid must be able to pass through."""
-    args: list[str] = []
-    parent = posixpath.dirname(path)
-    while parent != "/" and not under(parent, skip):
-        args[:0] = ["--perms", "0755", "--dir", parent]
-        parent = posixpath.dirname(parent)
     return args
 
 
@@ -312,3 +295,20 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
             locks.release(uid_lock)
         raise SandboxError(f"cannot prepare the sandbox of {key}: {getattr(e, 'strerror', None) or e}") from e
     return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group, pts)
+
+
+def limit_notices() -> list[str]:
+    """What the local sandboxes cannot limit on this machine, to say once at the start of a run."""
+    if bwrap_problem():
+        return []
+    notices = []
+    if os.geteuid() != 0:
+        notices.append("the runner is not root: sandboxes share its uid, their work dirs have no size limit, "
+                       "their PTYs no share of the machine's, and commands can read their command loop's memory")
+    if reason := cgroups.problem():
+        notices.append(f"sandboxes get no cgroup ({reason}): memory and processes are limited per process "
+                       "and per uid only, and /tmp pages are not counted")
+    return notices
+
+
+BACKEND = Backend(open_local, limit_notices=limit_notices)

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import AsyncIterator, Iterator
 
-from trajgen.sandbox import BackendUnreachable, ExecResult, SandboxConfig, SandboxError
-from trajgen.sandbox.docker import KILL_ALL, MERGED, READ, REAPER, WRITE
+from trajgen.sandbox import Backend, BackendUnreachable, ExecResult, SandboxConfig, SandboxError
 from trajgen.sandbox.process import Capture, last_line
+from trajgen.sandbox.shell import KILL_ALL, MERGED, READ, REAPER, WRITE
 
 ENV = {"LANG": "C.UTF-8", "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
 GRACE = 10  # seconds Modal lets a command run past our own timeout before killing it itself
@@ -237,3 +237,6 @@ def remove_sandboxes(tag: str, value: str) -> None:
                 sandbox.terminate()
         except _failures(modal):  # unreachable or not authenticated: nothing we could remove
             pass
+
+
+BACKEND = Backend(open_modal, check_image, remove_sandboxes)

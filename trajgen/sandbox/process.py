@@ -5,6 +5,7 @@ import asyncio
 import os
 import signal
 import subprocess
+from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
 
 from trajgen.sandbox import ExecResult, SandboxError
@@ -117,6 +118,19 @@ async def run_process(
     return ExecResult(capture.text(), None if error else proc.returncode, error)
 
 
+@asynccontextmanager
+async def deadline(proc: asyncio.subprocess.Process, timeout: float) -> AsyncIterator[None]:
+    """A block that talks to a child: TimeoutError past `timeout`, and however the block ends (the deadline, an
+    error, a cancelled caller) a child still running is killed and reaped, never left behind."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 def last_line(text: str) -> str:
     """The last non-blank line of a CLI's error output: the one that says what went wrong."""
     lines = [line for line in text.splitlines() if line.strip()]
@@ -151,15 +165,11 @@ async def stream_stdout(argv: list[str], env: dict[str, str], timeout: float, pa
     except OSError as e:
         raise SandboxError(f"cannot run the {argv[0]} CLI: {e.strerror}") from e
     try:
-        async with asyncio.timeout(timeout):
+        async with deadline(proc, timeout):
             while chunk := await proc.stdout.read(CHUNK):
                 yield chunk
             code = await proc.wait()
     except TimeoutError:
         raise SandboxError(f"cannot read {path}: no end within {timeout:g} s") from None
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     if code != 0:
         raise SandboxError(f"cannot read {path}: {last_line((await proc.stderr.read()).decode('utf-8', 'replace'))}")

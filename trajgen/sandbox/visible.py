@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 
 from trajgen.sandbox import SandboxError
-from trajgen.sandbox.local import SYSTEM_DIRS, passable_parents, under
+from trajgen.sandbox.binds import SYSTEM_DIRS, passable_parents, under
 
 SYSTEM = (*SYSTEM_DIRS, "/dev", "/proc")  # shown already, or the sandbox's own
 SECRETS = (".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".config/gcloud", ".password-store",

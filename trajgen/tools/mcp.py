@@ -31,6 +31,7 @@ from mcp_types import CONNECTION_CLOSED
 from trajgen import trajectory
 from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError
 from trajgen.sandbox import stdio
+from trajgen.sandbox.backends import check_images, open_sandbox
 from trajgen.sandbox.process import OUTPUT_CAP
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.tools.mcp_config import Server, ServerFailed
@@ -323,7 +324,6 @@ async def probe(servers: tuple[Server, ...], sandbox: SandboxConfig, timeout: fl
 
 
 async def _probe_one(server: Server, config: SandboxConfig, timeout: float, allow_private: bool) -> list[ToolSpec]:
-    from trajgen.sandbox.backends import check_images, open_sandbox  # the backends only when a config names a server
     opened: list[Sandbox] = []
 
     async def get_sandbox() -> Sandbox:

@@ -23,6 +23,7 @@ import sys
 from typing import TYPE_CHECKING, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from trajgen.sandbox.process import deadline
 from trajgen.tools import ToolContext, ToolSettings, ToolSpec
 from trajgen.tools.netguard import Verdict, check_host, check_url
 
@@ -182,14 +183,10 @@ async def _html_to_markdown(html: bytes, url: str) -> tuple[str, str | None]:
         stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
-        async with asyncio.timeout(HTML_TIMEOUT):
+        async with deadline(proc, HTML_TIMEOUT):
             out, _ = await proc.communicate(html)
     except TimeoutError:
         raise PageTooSlow(f"converting the page to text took longer than {HTML_TIMEOUT:g} s; not shown") from None
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     if proc.returncode != 0:
         raise PageTooSlow("the page could not be converted to text")
     converted = json.loads(out)
