@@ -13,6 +13,7 @@ from tests.standins import STANDINS, builds, live_instances
 from tests.support.inline import stopped_if_it_hangs, when
 from tests.test_hardening import _one_line_error, _wait_for
 from trajgen.options import RunOptions
+from trajgen.sandbox import apptainer
 from trajgen.sandbox.roots import UID_BASE, UID_COUNT
 
 pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]
@@ -124,7 +125,11 @@ def test_no_runtime_on_path_is_a_one_line_usage_error(inline, scripted_server):
     server = scripted_server({"default": [think()]})
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
     path = ":".join(p for p in inline.env["PATH"].split(":") if p != str(STANDINS))
-    done = inline.run(*inline.args(server, terminal_backend="singularity"), env={"PATH": path})
+    apptainer.runtime.cache_clear()  # a runner looks on its PATH once, as this one would in a new process
+    try:
+        done = inline.run(*inline.args(server, terminal_backend="singularity"), env={"PATH": path})
+    finally:
+        apptainer.runtime.cache_clear()  # and the next run looks again
     assert done.returncode == 2
     assert "the apptainer backend cannot run here: neither apptainer nor singularity is on PATH" in _one_line_error(done)
     assert server.requests() == []
