@@ -475,8 +475,8 @@ async def complete(
 
     def wait(state: tenacity.RetryCallState) -> float:
         """An error never retried waits forever: past any --retry_budget, so it is raised as it is."""
-        wait = retry_wait(state.outcome.exception(), state.upcoming_sleep, endpoint.answered)
-        return math.inf if wait is None else wait
+        seconds = retry_wait(state.outcome.exception(), state.upcoming_sleep, endpoint.answered)
+        return math.inf if seconds is None else seconds
 
     def told(state: tenacity.RetryCallState) -> None:
         if on_retry is not None:
