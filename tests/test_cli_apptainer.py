@@ -1,7 +1,8 @@
 """End to end with the apptainer backend against a STAND-IN for the apptainer CLI
 (tests/standins/apptainer: bubblewrap over image root filesystems exported from the private Docker
-engine of tests/dockerd.py; Apptainer itself cannot be installed here). The runner is the real CLI,
-the model the loopback scripted server; runs are few and each carries several checks."""
+engine of tests/dockerd.py; Apptainer itself cannot be installed here). The runner is the CLI's
+code in the test's process (`inline`), or the real CLI where a runner is killed; the model is the loopback
+scripted server; runs are few and each carries several checks."""
 from __future__ import annotations
 
 import os
@@ -9,8 +10,10 @@ import subprocess
 
 from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.standins import STANDINS, builds, live_instances
+from tests.support.inline import stopped_if_it_hangs, when
 from tests.test_hardening import _one_line_error, _wait_for
 from trajgen.options import RunOptions
+from trajgen.sandbox import apptainer
 from trajgen.sandbox.roots import UID_BASE, UID_COUNT
 
 pytest_plugins = ["tests.dockerd", "tests.standins.fixtures"]
@@ -29,7 +32,7 @@ def _run_id(cli) -> str:
     return RunOptions(output_dir=str(cli.cwd / "data"), run_name="run").run_id
 
 
-def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, scripted_server, apptainer_standin,
+def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(inline, scripted_server, apptainer_standin,
                                                                           busybox_image, docker_engine):
     server = scripted_server({"prompts": {
         "in app": [call("write_file", path="note.txt", content="from the model"), call("terminal", command=PROBE),
@@ -43,28 +46,23 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
                     think("done")],
         "late": [call("terminal", command="cat /etc/passwd | head -1"), think("done")],
     }})
-    write_jsonl(cli.cwd / "prompts.jsonl", [
+    write_jsonl(inline.cwd / "prompts.jsonl", [
         {"prompt": "in app", "image": busybox_image, "cwd": "/app"},
         {"prompt": "in srv", "docker_image": f"docker://{busybox_image}", "cwd": "/srv/work"},
         {"prompt": "timeout"},  # --docker_image
         {"prompt": "late", "image": LATE},
     ])
-    cli.env.update(apptainer_standin, OPENAI_API_KEY=SECRET)
-    args = cli.args(server, api_key=None, terminal_backend="apptainer", docker_image=busybox_image)
+    inline.env.update(apptainer_standin, OPENAI_API_KEY=SECRET)
+    args = inline.args(server, api_key=None, terminal_backend="apptainer", docker_image=busybox_image)
     built_before = len(builds(apptainer_standin))
-    first = cli.start(*args)
-    try:
-        _wait_for(lambda: _asked(server, "in app") == 3)  # wrote note.txt, probed, now held
-        server.open_gate("srv-go")
-        _wait_for(lambda: _asked(server, "in srv") == 2)
-        server.open_gate("app-end")
-        _, stderr = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            kill_group(first)
+    with (stopped_if_it_hangs(300),
+          when(lambda: _asked(server, "in app") == 3, lambda: server.open_gate("srv-go")),  # wrote, probed, held
+          when(lambda: _asked(server, "in srv") == 2, lambda: server.open_gate("app-end"))):
+        first = inline.run(*args)
+    stderr = first.stderr
     assert first.returncode == 1, stderr  # the missing image fails its prompt; the others go on
     assert f"image {LATE} is unavailable (cannot build image docker://{LATE}: FATAL:" in stderr
-    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
     assert set(rows) == {"in app", "in srv", "timeout"}
     [_, app] = tool_outputs(rows["in app"])
     lines = app["output"].splitlines()
@@ -83,20 +81,20 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(cli, s
     assert caps["CapEff"] == caps["CapPrm"] == "0000000000000000"
     assert "600" in lines and "chown=1" in lines  # CPU seconds limited per process; no privileges
     assert rows["in app"]["metadata"]["image"] == busybox_image
-    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 3)]
     assert _asked(server, "late") == 0  # no API call was paid for it
-    assert [n for n in live_instances() if n.startswith(f"trajgen-{_run_id(cli)}-")] == []
-    sif = [p for p in os.listdir(cli.cwd / "home/.cache/trajgen/sif") if p.endswith(".sif")]
+    assert [n for n in live_instances() if n.startswith(f"trajgen-{_run_id(inline)}-")] == []
+    sif = [p for p in os.listdir(inline.cwd / "home/.cache/trajgen/sif") if p.endswith(".sif")]
     assert len(sif) == 1  # the busybox image, built once for both spellings and the default
 
     subprocess.run(["docker", "-H", docker_engine, "tag", busybox_image, LATE], check=True, capture_output=True)
     try:
-        done = cli.run(*args, "--resume")
+        done = inline.run(*args, "--resume")
     finally:
         subprocess.run(["docker", "-H", docker_engine, "rmi", LATE], capture_output=True)
     assert done.returncode == 0, done.stderr
-    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
     assert tool_outputs(rows["late"])[0]["output"] == "root:x:0:0:root:/root:/bin/sh\n"
     assert builds(apptainer_standin)[built_before:] == [f"docker://{busybox_image}", f"docker://{LATE}"]
 
@@ -123,11 +121,15 @@ def test_resume_stops_the_instances_a_killed_runner_left(cli, scripted_server, a
     assert instances() == []
 
 
-def test_no_runtime_on_path_is_a_one_line_usage_error(cli, scripted_server):
+def test_no_runtime_on_path_is_a_one_line_usage_error(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    path = ":".join(p for p in cli.env["PATH"].split(":") if p != str(STANDINS))
-    done = cli.run(*cli.args(server, terminal_backend="singularity"), env={"PATH": path})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    path = ":".join(p for p in inline.env["PATH"].split(":") if p != str(STANDINS))
+    apptainer.runtime.cache_clear()  # a runner looks on its PATH once, as this one would in a new process
+    try:
+        done = inline.run(*inline.args(server, terminal_backend="singularity"), env={"PATH": path})
+    finally:
+        apptainer.runtime.cache_clear()  # and the next run looks again
     assert done.returncode == 2
     assert "the apptainer backend cannot run here: neither apptainer nor singularity is on PATH" in _one_line_error(done)
     assert server.requests() == []

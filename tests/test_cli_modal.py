@@ -1,4 +1,5 @@
-"""End to end with the modal backend: the real CLI and the real modal SDK (1.6.4) against the local
+"""End to end with the modal backend: the CLI (in process, `inline`; a real one where a runner is killed or
+the SDK must read its credentials afresh) and the real modal SDK (1.6.4) against the local
 stand-in of tests/standins/modal_server.py, not Modal itself. The stand-in serves Modal's gRPC API
 and task command router on 127.0.0.1 and runs each sandbox as a container on the private Docker
 engine (always without network: a label records whether the backend asked Modal to block it)."""
@@ -8,6 +9,7 @@ import subprocess
 import uuid
 
 from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
+from tests.support.inline import stopped_if_it_hangs, when
 from tests.test_hardening import _wait_for
 
 pytest_plugins = ["tests.dockerd", "tests.standins.modal_fixture"]
@@ -20,47 +22,47 @@ def _rows(path) -> dict[str, dict]:
 
 
 def test_modal_run_uses_each_rows_image_and_cwd_and_resume_retries_a_missing_image(
-        cli, scripted_server, modal_standin, busybox_image):
+        inline, scripted_server, modal_standin, busybox_image):
     later = f"trajgen-modal-later-{uuid.uuid4().hex[:8]}:1"  # missing at first, then made: resume retries it
     server = scripted_server({"default": [
         call("write_file", path="note.txt", content="from the model"),
         call("terminal", command="pwd; cat note.txt; echo; hostname"),
         think("done"),
     ]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [
+    write_jsonl(inline.cwd / "prompts.jsonl", [
         {"prompt": "in app", "image": busybox_image, "cwd": "/app"},
         {"prompt": "in srv", "docker_image": busybox_image, "cwd": "/srv/work"},
         {"prompt": "later", "image": later},
     ])
-    cli.env.update(modal_standin.env)
-    args = cli.args(server, terminal_backend="modal")
-    done = cli.run(*args)
+    inline.env.update(modal_standin.env)
+    args = inline.args(server, terminal_backend="modal")
+    done = inline.run(*args)
     assert done.returncode == 1, done.stderr  # the missing image fails its prompt; the others go on
     assert f"{later} is unavailable" in done.stderr and "Traceback" not in done.stderr
-    rows = _rows(cli.run_dir())
+    rows = _rows(inline.run_dir())
     assert set(rows) == {"in app", "in srv"}
     app, srv = tool_outputs(rows["in app"])[1], tool_outputs(rows["in srv"])[1]
     assert app["output"].startswith("/app\nfrom the model\n") and srv["output"].startswith("/srv/work\nfrom the model\n")
     assert app["output"].split("\n")[2] != srv["output"].split("\n")[2]  # two sandboxes, one per prompt
     assert rows["in app"]["tool_stats"]["terminal"] == {"count": 1, "success": 1, "failure": 0}
-    failures = read_jsonl(cli.run_dir() / "failures.jsonl")
+    failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 2)]
     assert "later" not in [r["prompt"] for r in server.requests()]  # no API call was paid for it
     assert modal_standin.containers(RUN_TAG) == []
 
     subprocess.run(["docker", "tag", busybox_image, later], check=True)
     try:
-        again = cli.run(*args, "--resume")
+        again = inline.run(*args, "--resume")
     finally:
         subprocess.run(["docker", "rmi", later], capture_output=True)
     assert again.returncode == 0, again.stderr
-    rows = _rows(cli.run_dir())
+    rows = _rows(inline.run_dir())
     assert set(rows) == {"in app", "in srv", "later"}
     assert tool_outputs(rows["later"])[1]["output"].startswith("/workspace\nfrom the model\n")
     assert modal_standin.containers(RUN_TAG) == []
 
 
-def test_modal_sandboxes_are_isolated(cli, scripted_server, modal_standin, busybox_image):
+def test_modal_sandboxes_are_isolated(inline, scripted_server, modal_standin, busybox_image):
     """No network, none of our secrets, no other prompt's files, and a timed-out command's whole tree killed."""
     server = scripted_server({"prompts": {
         "owner": [call("write_file", path="secret-owner.txt", content="mine"), {**think("done"), "gate": "owner"}],
@@ -70,17 +72,23 @@ def test_modal_sandboxes_are_isolated(cli, scripted_server, modal_standin, busyb
                       call("terminal", command="ps -o args | grep -c '[s]leep 425'"),
                       {**think("done"), "gate": "owner"}],  # both sandboxes stay until the test looks
     }})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p, "image": busybox_image} for p in ("owner", "neighbour")])
-    cli.env.update(modal_standin.env, OPENAI_API_KEY="sk-in-the-runner-env")
-    process = cli.start(*cli.args(server, terminal_backend="modal"))
-    _wait_for(lambda: any(r["prompt"] == "owner" and r["turn"] > 0 for r in server.requests()))  # its file is written
-    server.open_gate("written")
-    _wait_for(lambda: any(r["prompt"] == "neighbour" and r["turn"] > 2 for r in server.requests()))
-    assert len(modal_standin.containers(RUN_TAG, "modal-standin.network=blocked")) == 2  # no network was asked for
-    server.open_gate("owner")
-    out, err = process.communicate(timeout=180)
-    assert process.returncode == 0, err
-    probe, timed_out, survivors = tool_outputs(_rows(cli.run_dir())["neighbour"])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p, "image": busybox_image} for p in ("owner", "neighbour")])
+    inline.env.update(modal_standin.env, OPENAI_API_KEY="sk-in-the-runner-env")
+    blocked = []  # the sandboxes with no network, counted while both are up
+
+    def look_then_let_go() -> None:
+        blocked.append(len(modal_standin.containers(RUN_TAG, "modal-standin.network=blocked")))
+        server.open_gate("owner")
+
+    with (stopped_if_it_hangs(180),
+          when(lambda: any(r["prompt"] == "owner" and r["turn"] > 0 for r in server.requests()),  # its file is written
+               lambda: server.open_gate("written"), timeout=180),
+          when(lambda: any(r["prompt"] == "neighbour" and r["turn"] > 2 for r in server.requests()), look_then_let_go,
+               timeout=180)):
+        done = inline.run(*inline.args(server, terminal_backend="modal"))
+    assert blocked == [2]  # no network was asked for
+    assert done.returncode == 0, done.stderr
+    probe, timed_out, survivors = tool_outputs(_rows(inline.run_dir())["neighbour"])
     lines = probe["output"].splitlines()
     assert "dummy-key" not in probe["output"] and "sk-in-the-runner-env" not in probe["output"]
     assert {line.split("=")[0] for line in lines if "=" in line} >= {"LANG", "TERM"}

@@ -1,8 +1,10 @@
 """The terminal and file tools over real sandboxes: what the model gets back, and what it cannot reach."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
+from trajgen.registry import REGISTRY, dispatch
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from trajgen.tools import ToolContext
 from trajgen.tools.files import MAX_MATCHES, patch, read_file, search_files, write_file
@@ -22,7 +24,8 @@ def context(sandbox, command_timeout: float = 30) -> ToolContext:
 
 
 def call(fn, ctx, **arguments) -> dict:
-    return arun(fn(ctx, **arguments))
+    """As the model calls it: the arguments checked against the tool's schema first."""
+    return arun(dispatch(fn.__name__, orjson.dumps(arguments).decode(), REGISTRY, ctx))
 
 
 @pytest.fixture

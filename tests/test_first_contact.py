@@ -1,5 +1,6 @@
-"""What a newcomer meets when something goes wrong: a word at once, and the next step. The real CLI
-against the loopback scripted server."""
+"""What a newcomer meets when something goes wrong: a word at once, and the next step. The CLI (in
+process, `inline`, or the real one where a terminal or a pasted command is the point) against the
+loopback scripted server."""
 from __future__ import annotations
 
 import re
@@ -13,14 +14,14 @@ from trajgen.scheduler import PROMPT_EXCERPT, _which
 from trajgen.task import Task
 
 
-def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server):
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+def test_a_closed_port_stops_the_run_at_once_with_one_line(inline, scripted_server):
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
     closed = socket.socket()  # bound and not listening: connections are refused
     closed.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"
     try:  # ten retries would take more than 100 s: the deadline is what says "at once"
-        stopped = cli.run(*cli.args(_Url(url), max_retries=10), timeout=90)
-        checked = cli.run(*cli.args(_Url(url)), "--dry_run")
+        stopped = inline.run(*inline.args(_Url(url), max_retries=10))
+        checked = inline.run(*inline.args(_Url(url)), "--dry_run")
     finally:
         closed.close()
     assert checked.returncode == 1
@@ -29,11 +30,11 @@ def test_a_closed_port_stops_the_run_at_once_with_one_line(cli, scripted_server)
     errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: --base_url={url} cannot be reached: connection refused; nothing was sent or recorded. "
                       "Fix --base_url (--dry_run checks it) and run the same command again"], stopped.stderr
-    assert store.entries(cli.run_dir()) == []  # nothing recorded failed, nothing to --resume
+    assert store.entries(inline.run_dir()) == []  # nothing recorded failed, nothing to --resume
     server = scripted_server({"default": [think()]})
-    fixed = cli.run(*cli.args(server))  # the same command with --base_url fixed
+    fixed = inline.run(*inline.args(server))  # the same command with --base_url fixed
     assert fixed.returncode == 0, fixed.stderr
-    assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 3
+    assert len(read_jsonl(inline.run_dir() / "trajectories.jsonl")) == 3
 
 
 def test_a_failed_run_ends_with_the_next_step_and_its_resume_command_works_pasted(cli, scripted_server):
@@ -71,10 +72,10 @@ def test_the_retry_line_shows_under_the_bar_while_the_server_answers_500s(cli, s
     assert {attempt for attempt, _ in seen} >= {"1", "2", "3"}, text[-2000:]
 
 
-def test_resume_of_a_run_that_does_not_exist_says_so(cli, scripted_server):
+def test_resume_of_a_run_that_does_not_exist_says_so(inline, scripted_server):
     server = scripted_server({"default": [think()]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    done = cli.run(*cli.args(server, run_name="typo", resume=True))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    done = inline.run(*inline.args(server, run_name="typo", resume=True))
     assert done.returncode == 2
     assert "--resume: there is no run data/typo to continue" in done.stderr and server.stats()["requests"] == 0
 

@@ -101,22 +101,22 @@ def test_a_spend_limit_stops_within_the_replies_in_flight(inline, scripted_serve
     assert 0.002 <= float(stated[1]) <= 0.001 * replies_sent(server) and 30 <= int(stated[2]) <= 15 * replies_sent(server)
 
 
-def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them(cli, scripted_server):
+def test_a_spend_limit_closes_the_streams_in_flight_and_the_resume_finishes_them(inline, scripted_server):
     """Reaching --max_cost cancels the prompts in flight at once: their streams close, so a provider
     that bills generated tokens stops generating; the resume runs them again."""
     long = {"content": "y" * 1000, "reasoning": "r", "pieces": 1, "chunk_delay": 0.02}  # 1,000 chunks, 20 s
     server = scripted_server({"default": [{"content": "x", "reasoning": "r", "usage": {"cost": 1.0}}],
                               "prompts": {"long": [long]}})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "long"}, {"prompt": "cheap"}])
-    done = cli.run(*cli.args(server, num_workers=1, concurrency=2, max_cost=0.5))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "long"}, {"prompt": "cheap"}])
+    done = inline.run(*inline.args(server, num_workers=1, concurrency=2, max_cost=0.5))
     assert done.returncode == 3, done.stderr
     assert "--max_cost=0.5 reached" in done.stderr
     assert server.stats()["stream_events"] < 1000  # the long generation was cut, not waited for
-    assert [r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")] == ["cheap"]
+    assert [r["conversations"][1]["value"] for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")] == ["cheap"]
     server.set_script({"default": [{"content": "x", "reasoning": "r"}]})  # the resume need not wait 20 s again
-    resumed = cli.run(*cli.args(server, num_workers=1, concurrency=2, resume=True))
+    resumed = inline.run(*inline.args(server, num_workers=1, concurrency=2, resume=True))
     assert resumed.returncode == 0, resumed.stderr
-    assert sorted(r["conversations"][1]["value"] for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")) == [
+    assert sorted(r["conversations"][1]["value"] for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")) == [
         "cheap", "long"]
 
 

@@ -2,7 +2,7 @@
 local sandboxes, and a streamable-HTTP server of our own on 127.0.0.1 for the `url` path.
 
 In-process tests drive trajgen/tools/mcp.py as a worker does (faults, restarts, timeouts, results
-that are not text); CLI tests run `python batch_runner.py` against the scripted model.
+that are not text); run tests run the CLI against the scripted model, in process (`inline`) unless a runner is killed.
 """
 from __future__ import annotations
 
@@ -442,14 +442,14 @@ def git_script(prompts: list[str]) -> dict:
     ] for p in prompts}}
 
 
-def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, scripted_server, tmp_path):
+def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(inline, scripted_server, tmp_path):
     prompts = [f"commit-{i}" for i in range(3)]
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in prompts])
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"git": GIT}}))
     with scripted_server(git_script(prompts)) as server:
-        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="terminal,git"))
+        done = inline.run(*inline.args(server, mcp_config="mcp.json", toolsets="terminal,git"))
         assert done.returncode == 0, done.stderr
-        rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+        rows = read_jsonl(inline.run_dir() / "trajectories.jsonl")
         sent_tools = {t["function"]["name"]: t for t in server.requests()[0]["body"]["tools"]}
     assert len(rows) == 3
     for row in rows:
@@ -475,21 +475,21 @@ def test_each_prompt_has_its_own_git_server_and_sees_only_its_own_commits(cli, s
     ({"git": GIT}, {"distribution": "dist.json"}, 2, "distribution dist.json: unknown toolset 'gti'; did you mean git?"),
     ({"git": GIT}, {"toolsets": "terminal,gti"}, 2, "--toolsets: unknown toolset 'gti'; did you mean git?"),
 ])
-def test_bad_setups_stop_the_run_before_any_request(cli, scripted_server, tmp_path, servers, flags, code, message):
+def test_bad_setups_stop_the_run_before_any_request(inline, scripted_server, tmp_path, servers, flags, code, message):
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
     (tmp_path / "dist.json").write_text(json.dumps({"terminal": 100, "gti": 50}))
     with scripted_server({"default": [think()]}) as server:
-        done = cli.run(*cli.args(server, mcp_config="mcp.json", **flags))
+        done = inline.run(*inline.args(server, mcp_config="mcp.json", **flags))
         assert server.stats()["requests"] == 0
     assert done.returncode == code, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
-    assert not (cli.run_dir() / "trajectories.jsonl").exists()
+    assert not (inline.run_dir() / "trajectories.jsonl").exists()
 
 
-def test_list_distributions_shows_the_configs_toolsets(cli, tmp_path):
+def test_list_distributions_shows_the_configs_toolsets(inline, tmp_path):
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"git": GIT, "time": TIME}}))
-    done = cli.run("--list_distributions", "--mcp_config=mcp.json")
+    done = inline.run("--list_distributions", "--mcp_config=mcp.json")
     assert done.returncode == 0, done.stderr
     assert "MCP toolsets (--mcp_config): git, time." in " ".join(done.stdout.split())
 
@@ -519,14 +519,14 @@ def test_no_server_outlives_a_killed_run_and_resume_finishes_it(cli, scripted_se
     assert row["tool_stats"]["get_current_time"]["success"] == 1
 
 
-def test_image_result_reaches_the_row_but_not_the_model(cli, scripted_server, tmp_path, http_server):
+def test_image_result_reaches_the_row_but_not_the_model(inline, scripted_server, tmp_path, http_server):
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {"docs": {"url": http_server}}}))
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "show me red"}])
     with scripted_server({"default": [call("red_pixel"), think("a red pixel")]}) as server:
-        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True))
+        done = inline.run(*inline.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True))
         assert done.returncode == 0, done.stderr
         sent = server.requests()[1]["body"]["messages"][-1]
-    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    [row] = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     [turn] = [t for t in row["conversations"] if t["from"] == "tool"]
     [block] = turn["content_blocks"]
     assert block["type"] == "image" and block["mimeType"] == "image/png" and block["data"]
@@ -535,7 +535,7 @@ def test_image_result_reaches_the_row_but_not_the_model(cli, scripted_server, tm
     assert row["tool_stats"]["red_pixel"]["success"] == 1
 
 
-def test_a_header_value_never_reaches_the_runs_files_or_output(cli, scripted_server, tmp_path):
+def test_a_header_value_never_reaches_the_runs_files_or_output(inline, scripted_server, tmp_path):
     """The token reaches the server (the calls succeed) and nothing of the run: not its rows, journal,
     manifest, statistics or logs, not the terminal, not the error of a call that fails."""
     for url in serve_mcp(token=TOKEN):
@@ -544,11 +544,11 @@ def test_a_header_value_never_reaches_the_runs_files_or_output(cli, scripted_ser
         write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "look it up"}])
         script = {"default": [call("lookup", word="mcp"), call("flood"), call("lookup"), think("done")]}
         with scripted_server(script) as server:
-            done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True,
-                                     verbose=True), env={"DOCS_TOKEN": TOKEN})
+            done = inline.run(*inline.args(server, mcp_config="mcp.json", toolsets="docs", allow_private_urls=True,
+                                           verbose=True), env={"DOCS_TOKEN": TOKEN})
             sent = json.dumps(server.requests())
     assert done.returncode == 0, done.stderr
-    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    [row] = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert row["tool_stats"]["lookup"] == {"count": 2, "success": 1, "failure": 1}
     assert row["tool_stats"]["flood"] == {"count": 1, "success": 0, "failure": 1}
     leaks = [str(f) for f in tmp_path.rglob("*") if f.is_file() and TOKEN.encode() in f.read_bytes()]

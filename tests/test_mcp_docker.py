@@ -15,15 +15,15 @@ from trajgen.sandbox.backends import SandboxConfig, cleanup
 pytest_plugins = ["tests.dockerd", "tests.support.mcp_image"]
 
 
-def test_docker_backend_runs_the_server_in_the_prompts_container(cli, scripted_server, mcp_image):
-    (cli.cwd / "mcp.json").write_text(json.dumps({"mcpServers": {"time": {
+def test_docker_backend_runs_the_server_in_the_prompts_container(inline, scripted_server, mcp_image):
+    (inline.cwd / "mcp.json").write_text(json.dumps({"mcpServers": {"time": {
         "command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone=UTC"]}}}))
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "what time is it"}])
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "what time is it"}])
     with scripted_server({"default": [call("get_current_time", timezone="Asia/Tokyo"), think("late")]}) as server:
-        done = cli.run(*cli.args(server, mcp_config="mcp.json", toolsets="time", terminal_backend="docker",
-                                 docker_image=mcp_image))
+        done = inline.run(*inline.args(server, mcp_config="mcp.json", toolsets="time", terminal_backend="docker",
+                                       docker_image=mcp_image))
     assert done.returncode == 0, done.stderr
-    [row] = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    [row] = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     [result] = tool_outputs(row)
     assert result["success"] and result["structured_content"]["timezone"] == "Asia/Tokyo"
     probes = subprocess.run(["docker", "ps", "-aq", "--filter", "label=trajgen.key=mcp-probe-time"],

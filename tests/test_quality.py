@@ -96,29 +96,29 @@ def test_rows_an_earlier_version_discarded_for_no_reasoning_come_back_on_resume(
     assert (_stats(inline)["kept"], _stats(inline)["filtered_no_reasoning"]) == (1, 1)
 
 
-def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(cli, scripted_server):
+def test_hallucinated_tool_rows_are_filtered_at_merge_and_counted_apart(inline, scripted_server):
     server = scripted_server({"prompts": {
         "invent": [call("teleport", where="mars"), {"content": "done", "reasoning": "r"}],
         "honest": [call("terminal", command="echo ok"), {"content": "done", "reasoning": "r"}],
     }})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "invent"}, {"prompt": "honest"}])
-    done = cli.run(*cli.args(server))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "invent"}, {"prompt": "honest"}])
+    done = inline.run(*inline.args(server))
     assert done.returncode == 0, done.stderr
-    kept = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    kept = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert [r["conversations"][1]["value"] for r in kept] == ["honest"]
-    in_batch = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "batch_0.jsonl")}
+    in_batch = {r["conversations"][1]["value"]: r for r in read_jsonl(inline.run_dir() / "batch_0.jsonl")}
     assert in_batch["invent"]["metadata"]["hallucinated_tools"] == ["teleport"]
     assert in_batch["invent"]["tool_stats"]["teleport"] == {"count": 1, "success": 0, "failure": 1}
     # the model was told, as a tool error, and went on
     assert "unknown tool 'teleport'" in in_batch["invent"]["conversations"][3]["value"]
-    stats = _stats(cli)
+    stats = _stats(inline)
     assert stats["filtered_hallucinated"] == 1 and stats["kept"] == 1
     assert "teleport" not in stats["tool_statistics"]
     assert stats["filtered_tool_statistics"]["hallucinated"]["teleport"]["failure"] == 1
     assert stats["tool_statistics"]["terminal"]["success"] == 1
-    keep = cli.run(*cli.args(server, run_name="keep", keep_hallucinated=True))
+    keep = inline.run(*inline.args(server, run_name="keep", keep_hallucinated=True))
     assert keep.returncode == 0
-    assert len(read_jsonl(cli.run_dir("keep") / "trajectories.jsonl")) == 2
+    assert len(read_jsonl(inline.run_dir("keep") / "trajectories.jsonl")) == 2
 
 
 def test_statistics_of_a_resumed_run_cover_both_parts(inline, scripted_server):

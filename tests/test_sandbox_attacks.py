@@ -1,4 +1,4 @@
-"""A hostile model against the sandboxes, through the real CLI: each attack is stopped, its neighbour unharmed.
+"""A hostile model against the sandboxes, through the CLI: each attack is stopped, its neighbour unharmed.
 
 The model is the loopback scripted server; the sandboxes, worker processes and files are real.
 To keep the suite short, one local run carries most attacks at once, side by side with healthy
@@ -27,6 +27,7 @@ import pytest
 from tests.conftest import CLI, call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
 from tests.test_browser_tools import LAUNCH_PROBLEM, LOOPBACK_ONLY
 from tests.test_web_tools import local_site  # noqa: F401  (fixture)
+from tests.support.inline import Runs
 from tests.support.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
@@ -53,8 +54,8 @@ def _keyring_probe(write: bool) -> str:
             f"print('KEY', r, ctypes.get_errno())\"")
 
 
-def _rows(cli: CLI, run_name: str) -> dict[str, dict]:
-    return {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir(run_name) / "trajectories.jsonl")}
+def _rows(runs: Runs, run_name: str) -> dict[str, dict]:
+    return {r["conversations"][1]["value"]: r for r in read_jsonl(runs.run_dir(run_name) / "trajectories.jsonl")}
 
 
 def _peak_child_memory(process: subprocess.Popen) -> int:
@@ -400,19 +401,19 @@ class _Site:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripted_server):
+def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(inline, scripted_server):
     site = _Site()
     try:
         server = scripted_server({"prompts": {
             "slow": [call("web_extract", urls=[site.url + "/slow"]), think()],
             "fine": [call("web_extract", urls=[site.url + "/fine"]), think()],
         }})
-        write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "slow"}, {"prompt": "fine"}])
-        done = cli.run(*cli.args(server, distribution="minimal", num_workers=1, allow_private_urls=True))
+        write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "slow"}, {"prompt": "fine"}])
+        done = inline.run(*inline.args(server, distribution="minimal", num_workers=1, allow_private_urls=True))
     finally:
         site.server.shutdown()
     assert done.returncode == 0, done.stderr
-    rows = _rows(cli, "run")
+    rows = _rows(inline, "run")
     slow, fine = tool_outputs(rows["slow"])[0], tool_outputs(rows["fine"])[0]
     assert slow["success"] is False and "took longer than 10 s" in slow["error"]
     assert fine["success"] is True and "All good here." in fine["results"][0]["content"]
@@ -422,7 +423,7 @@ def test_a_slow_page_fails_on_time_and_its_neighbour_reads_its_page(cli, scripte
 
 
 def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_per_prompt(
-        cli, scripted_server, docker_engine, busybox_image, bash_image):
+        inline, scripted_server, docker_engine, busybox_image, bash_image):
     server = scripted_server({"prompts": {
         "leave a process": [call("terminal", command="sleep 4242 & setsid sleep 4343 & (sleep 4444 &) ; "
                                                      "echo started"),
@@ -436,12 +437,12 @@ def test_docker_calls_leave_nothing_running_and_run_without_privileges_as_a_uid_
         "forged end": [call("write_file", path="forge.sh", content=SHELL_FORGER), call("terminal", command="loop=$PPID bash forge.sh"),
                        think()],
     }})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
-                                            {"prompt": "neighbour", "image": busybox_image},
-                                            {"prompt": "forged end", "image": bash_image}])
-    done = cli.run(*cli.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "leave a process", "image": busybox_image},
+                                               {"prompt": "neighbour", "image": busybox_image},
+                                               {"prompt": "forged end", "image": bash_image}])
+    done = inline.run(*inline.args(server, terminal_backend="docker"), env={"DOCKER_HOST": docker_engine})
     assert done.returncode == 0, done.stderr
-    rows = _rows(cli, "run")
+    rows = _rows(inline, "run")
     started, probe = tool_outputs(rows["leave a process"])
     assert started["output"] == "started\n"
     lines = probe["output"].splitlines()  # stdout only: its order against stderr is not kept across docker exec

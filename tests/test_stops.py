@@ -114,19 +114,19 @@ def test_sigterm_during_retries_against_a_dead_endpoint_prints_the_summary_and_t
     assert read_jsonl(cli.run_dir() / "failures.jsonl") == []
 
 
-def test_the_spend_stop_line_states_what_the_table_and_statistics_say_was_paid(cli, scripted_server):
+def test_the_spend_stop_line_states_what_the_table_and_statistics_say_was_paid(inline, scripted_server):
     # each prompt costs $0.01, a failed one too; the limit cancels the prompts in flight, and whether one of
     # them was paid before the cancel reached it is a race (test_core_scheduler pins that case down)
     server = scripted_server({"default": [{"content": "x", "reasoning": "r", "usage": {"cost": 0.01}, "delay": 0.3}],
                               "match": [{"contains": "bad", "replies": [{"message": {"role": "assistant", "content": 5},
                                                                         "usage": {"cost": 0.01}}]}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"bad {i}" if i % 4 == 0 else f"p{i}"} for i in range(40)])
-    done = cli.run(*cli.args(server, num_workers=2, concurrency=6, max_cost=0.01))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"bad {i}" if i % 4 == 0 else f"p{i}"} for i in range(40)])
+    done = inline.run(*inline.args(server, num_workers=2, concurrency=6, max_cost=0.01))
     assert done.returncode == 3, done.stderr
     stated = re.search(r"--max_cost=0.01 reached; this invocation paid \$(\d+\.\d{4}), (\d+) tokens", done.stderr)
     assert stated, done.stderr
     table = re.search(r"│ cost\s+│\s+\$(\d+\.\d{4}) │", done.stdout)
-    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    statistics = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert float(stated[1]) >= 0.01
     assert replies_sent(server) <= 1 + 6  # the limit, and at most the calls in flight then: through the workers' pipes
     assert stated[1] == table[1] == f"{statistics['cost']:.4f}"

@@ -399,7 +399,7 @@ def test_events_are_cut_only_at_their_end(step):
     assert found == ['{"a": "hé☃"}'.encode(), b'{"b":\n1}', b"[DONE]"]
 
 
-def test_a_streamed_run_counts_stalls_and_latency_and_a_reply_over_the_cap_fails_its_prompt(cli, scripted_server):
+def test_a_streamed_run_counts_stalls_and_latency_and_a_reply_over_the_cap_fails_its_prompt(inline, scripted_server):
     """Through the CLI: a prompt whose first stream stalls lands on the retry, a prompt whose reply
     exceeds --max_reply_mb fails with one line naming the size, asked once; statistics.json and the
     summary carry the stalls and the latency."""
@@ -408,18 +408,18 @@ def test_a_streamed_run_counts_stalls_and_latency_and_a_reply_over_the_cap_fails
         "stalls": [{"content": "abcdef", "pieces": 1, "stall_after": 2, "times": 1, "then": think("after a stall")}],
         "huge": [{"content": "x" * (2 << 20)}]},
         "default": [{**think("streamed in pieces"), "pieces": 2, "chunk_delay": 0.01}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in ("stalls", "huge", "plain 1", "plain 2")])
-    done = cli.run(*cli.args(server, max_retries=2, stall_timeout=1, max_reply_mb=1))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in ("stalls", "huge", "plain 1", "plain 2")])
+    done = inline.run(*inline.args(server, max_retries=2, stall_timeout=1, max_reply_mb=1))
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    failure, = read_jsonl(cli.run_dir() / "failures.jsonl")
+    failure, = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert failure["error_class"] == "ReplyTooLarge" and "larger than --max_reply_mb=1 " in failure["message"]
     assert sum(r["prompt"] == "huge" for r in server.requests()) == 1
-    stats = json.loads((cli.run_dir() / "statistics.json").read_text())
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert stats["failed"]["by_class"] == {"ReplyTooLarge": 1} and stats["ok"] == 3 and stats["stalls"] == 1
     assert stats["latency"]["first_token"]["replies"] == 3
     assert stats["latency"]["generation"]["median"] > 0
-    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(cli.run_dir() / "trajectories.jsonl")}
+    rows = {r["conversations"][1]["value"]: r for r in read_jsonl(inline.run_dir() / "trajectories.jsonl")}
     assert rows["stalls"]["metadata"]["usage"]["stalls"] == 1
     assert all(r["body"].get("stream") is True for r in server.requests())
     assert "first token median / p95" in done.stdout + done.stderr and "stalls" in done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""The web, browser and vision toolsets end to end: `python batch_runner.py` against the scripted model,
+"""The web, browser and vision toolsets end to end: the CLI (in process, `inline`) against the scripted model,
 a local website, a fake SearXNG and real headless Chromium, all on 127.0.0.1.
 
 The local website is on a loopback address: runs that read it pass --allow_private_urls, and one
@@ -89,8 +89,8 @@ def tool_results(row: dict) -> dict[str, dict]:
 
 
 @pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser toolset needs chromium: {LAUNCH_PROBLEM}")
-def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_server, local_site, fake_api, monkeypatch,
-                                                                 tmpdir_for_chromium):
+def test_browser_use_run_really_searches_reads_browses_and_looks(inline, scripted_server, local_site, fake_api,
+                                                                monkeypatch, tmpdir_for_chromium):
     tmpdir = tmpdir_for_chromium
     monkeypatch.setenv("TRAJGEN_CHROMIUM_ARGS", LOOPBACK_ONLY)
     site = local_site.url
@@ -116,14 +116,15 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
     prompts = ["Find the loopback fox site and say hello through its form.", "Visit the fox site and greet it."]
     server = scripted_server({"prompts": {p: steps for p in prompts},
                               "match": [{"contains": VISION_QUESTION, "replies": [{"content": "A tiny cat."}]}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
-    seed = seed_sampling(cli.cwd / "prompts.jsonl", "browser_use", {"browser", "web", "vision"})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    seed = seed_sampling(inline.cwd / "prompts.jsonl", "browser_use", {"browser", "web", "vision"})
 
-    done = cli.run(*cli.args(server, distribution="browser_use", seed=seed, max_turns=15, allow_private_urls=True),
-                   env={"SEARXNG_URL": searxng.url, "TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY, "TMPDIR": str(tmpdir)})
+    done = inline.run(*inline.args(server, distribution="browser_use", seed=seed, max_turns=15,
+                                   allow_private_urls=True),
+                      env={"SEARXNG_URL": searxng.url, "TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY, "TMPDIR": str(tmpdir)})
 
     assert done.returncode == 0, done.stderr
-    rows = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    rows = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert len(rows) == 2
     for row in rows:
         assert row["completed"] is True and set(row["toolsets_used"]) == {"browser", "web", "vision"}
@@ -145,25 +146,25 @@ def test_browser_use_run_really_searches_reads_browses_and_looks(cli, scripted_s
     assert [r["query"] for r in searxng.requests] == [{"q": ["loopback fox"], "format": ["json"]}] * 2
     assert any("trajgen-web-extract" in r["headers"]["user-agent"] for r in local_site.requests)
     assert any("HeadlessChrome" in r["headers"]["user-agent"] for r in local_site.requests)
-    statistics = json.loads((cli.run_dir() / "statistics.json").read_text())
+    statistics = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert statistics["tool_statistics"]["browser_type"]["success_rate"] == 1.0
     assert chromium_left(tmpdir) == []  # every worker's browser is gone with the run
 
 
 @pytest.mark.skipif(LAUNCH_PROBLEM is not None, reason=f"the browser toolset needs chromium: {LAUNCH_PROBLEM}")
-def test_without_allow_private_urls_the_tools_refuse_the_local_site(cli, scripted_server, local_site):
+def test_without_allow_private_urls_the_tools_refuse_the_local_site(inline, scripted_server, local_site):
     site = local_site.url
     steps = [call("web_extract", urls=[site + "/"]), call("browser_navigate", url=site + "/"),
              think("Both were refused.")]
     server = scripted_server({"default": steps})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "Read the loopback fox site."}])
-    seed = seed_sampling(cli.cwd / "prompts.jsonl", "browser_use", {"browser", "web"})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "Read the loopback fox site."}])
+    seed = seed_sampling(inline.cwd / "prompts.jsonl", "browser_use", {"browser", "web"})
 
-    done = cli.run(*cli.args(server, distribution="browser_use", seed=seed),  # no --allow_private_urls
-                   env={"TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY})
+    done = inline.run(*inline.args(server, distribution="browser_use", seed=seed),  # no --allow_private_urls
+                      env={"TRAJGEN_CHROMIUM_ARGS": LOOPBACK_ONLY})
 
     assert done.returncode == 0, done.stderr
-    (row,) = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    (row,) = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     results = tool_results(row)
     for name in ("web_extract", "browser_navigate"):
         assert row["tool_stats"][name] == {"count": 1, "success": 0, "failure": 1}, results[name]
@@ -172,21 +173,21 @@ def test_without_allow_private_urls_the_tools_refuse_the_local_site(cli, scripte
     assert local_site.requests == []
 
 
-def test_vision_and_image_flags_reach_the_tools(cli, scripted_server):
+def test_vision_and_image_flags_reach_the_tools(inline, scripted_server):
     vision = scripted_server({"default": [{"content": "A tiny cat."}]})
     steps = [call("vision_analyze", image_url="https://127.0.0.1/cat.png", question=VISION_QUESTION),
              think("It is a cat.")]
     server = scripted_server({"default": steps})
     prompt = "Look at the picture of the fox site."
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": prompt}])
-    seed = seed_sampling(cli.cwd / "prompts.jsonl", "creative", {"vision", "image_gen"})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": prompt}])
+    seed = seed_sampling(inline.cwd / "prompts.jsonl", "creative", {"vision", "image_gen"})
 
-    done = cli.run(*cli.args(server, distribution="creative", seed=seed, vision_model="vision-model",
-                             vision_base_url=vision.url, vision_api_key="vision-key", image_model="image-model",
-                             allow_private_urls=True))  # the image URL is on 127.0.0.1
+    done = inline.run(*inline.args(server, distribution="creative", seed=seed, vision_model="vision-model",
+                                   vision_base_url=vision.url, vision_api_key="vision-key", image_model="image-model",
+                                   allow_private_urls=True))  # the image URL is on 127.0.0.1
 
     assert done.returncode == 0, done.stderr
-    (row,) = read_jsonl(cli.run_dir() / "trajectories.jsonl")
+    (row,) = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     assert row["tool_stats"]["vision_analyze"]["success"] == 1
     assert "image_generate" in [t["function"]["name"] for t in server.requests()[0]["body"]["tools"]]
     (request,) = vision.requests()

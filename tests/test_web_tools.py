@@ -21,6 +21,7 @@ import pytest
 
 import httpx
 import model_tools
+from trajgen.registry import REGISTRY, dispatch
 from trajgen.tools import ToolContext, ToolSettings, web
 from trajgen.tools.web import MAX_PAGE_CHARS, MAX_URLS, web_extract, web_search
 
@@ -405,4 +406,4 @@ def test_web_search_is_unavailable_without_a_provider_and_reports_errors(fake_ap
     api.routes["/search"] = (200, {"unexpected": True})
     assert "unexpected response" in run(web_search(context(), query="fox"))["error"]
     for bad in ({"query": ""}, {"query": 5}, {"query": "fox", "limit": 0}, {"query": "fox", "limit": "3"}):
-        assert run(web_search(context(), **bad))["success"] is False
+        assert run(dispatch("web_search", json.dumps(bad), REGISTRY, context()))["success"] is False

@@ -1,6 +1,6 @@
 """Model calls: one connection pool per worker, one retry policy, and a signal when the endpoint throttles.
 
-Retries: 429, 408, 409, 5xx, timeouts, stalls and connection errors are retried, up to `--max_retries`
+Retries (tenacity): 429, 408, 409, 5xx, timeouts, stalls and connection errors are retried, up to `--max_retries`
 times and within `--retry_budget` seconds per request, with jittered waits that grow by at least half each time and never wait
 less than BACKOFF_BASE (a wave of prompts that failed together does not come back as a burst) and
 never less than a Retry-After; `on_retry` hears of each wait. 401/402/403 stop the run. Before the
@@ -41,6 +41,7 @@ from typing import Callable
 import aiohttp
 import certifi
 import orjson
+import tenacity
 
 from trajgen import stream
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
@@ -454,31 +455,37 @@ async def complete(
     on_retry: Callable[[Exception, int, int, float], None] | None = None,
     args: dict | None = None,
 ) -> Completion:
-    """One chat completion, retried per the policy above; `on_stall` hears of every stalled try,
-    `on_retry(error, attempt, max_retries, wait)` of each wait. `args`: the request_args of the
+    """One chat completion, retried per the policy above (tenacity); `on_stall` hears of every stalled
+    try, `on_retry(error, attempt, max_retries, wait)` of each wait. `args`: the request_args of the
     other arguments, when the caller built them already (the journal, to hash them)."""
     body = request_body(settings, request_args(settings, messages, tools, forbid_tools) if args is None else args)
-    started, wait = time.monotonic(), 0.0
-    for attempt in range(settings.max_retries + 1):
-        try:
-            completion = await endpoint.call(body)
-            endpoint.answered = True
-            return completion
-        except (APIStatusError, APIConnectionError, ProviderError, NotJSON) as error:
-            if not endpoint.answered and (cause := unchanging(error)):
-                if status_of(error) != 400 or endpoint.refusal == error.message:
-                    raise FatalAPIError(f"--base_url={settings.base_url} {cause}") from error
-                endpoint.refusal = error.message  # maybe this prompt's own fault (an image too large)
-            if isinstance(error, NotJSON):
-                raise
-            if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
-                on_throttle()
-            if isinstance(error.__cause__, Stalled):
-                on_stall()
-            wait = retry_wait(error, wait, endpoint.answered)
-            if wait is None or attempt == settings.max_retries or time.monotonic() - started + wait > settings.retry_budget:
-                raise
-            if on_retry is not None:
-                on_retry(error, attempt + 1, settings.max_retries, wait)
-            await asyncio.sleep(wait)
-    raise AssertionError("unreachable")
+
+    def retried(error: BaseException) -> bool:
+        if not endpoint.answered and (cause := unchanging(error)):
+            if status_of(error) != 400 or endpoint.refusal == error.message:
+                raise FatalAPIError(f"--base_url={settings.base_url} {cause}") from error
+            endpoint.refusal = error.message  # maybe this prompt's own fault (an image too large)
+        return isinstance(error, (APIStatusError, APIConnectionError, ProviderError))
+
+    def heard(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception()
+        if status_of(error) in OVERLOADED:  # even on the last try: the scheduler must hear of it
+            on_throttle()
+        if isinstance(error.__cause__, Stalled):
+            on_stall()
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        """An error never retried waits forever: past any --retry_budget, so it is raised as it is."""
+        seconds = retry_wait(state.outcome.exception(), state.upcoming_sleep, endpoint.answered)
+        return math.inf if seconds is None else seconds
+
+    def told(state: tenacity.RetryCallState) -> None:
+        if on_retry is not None:
+            on_retry(state.outcome.exception(), state.attempt_number, settings.max_retries, state.upcoming_sleep)
+
+    retrying = tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(retried), after=heard, wait=wait, before_sleep=told, reraise=True,
+        stop=tenacity.stop_after_attempt(settings.max_retries + 1) | tenacity.stop_before_delay(settings.retry_budget))
+    completion = await retrying(endpoint.call, body)
+    endpoint.answered = True
+    return completion

@@ -6,8 +6,9 @@ A tool that cannot run here (no search provider, no chromium...) says why throug
 """
 from __future__ import annotations
 
-import inspect
+import functools
 
+import jsonschema
 import orjson
 
 from trajgen.distributions import TOOLSETS
@@ -57,7 +58,8 @@ def offered_tools(toolsets: list[str], unavailable: dict[str, str], mcp_tools: t
 
 
 async def dispatch(name: str, raw_arguments: str, offered: dict[str, ToolSpec], ctx: ToolContext) -> dict:
-    """Run one tool call; every mistake of the model comes back as a failed result, never an exception."""
+    """Run one tool call, its arguments checked against the tool's schema first (an optional one sent as
+    null counts as left out); every mistake of the model comes back as a failed result, never an exception."""
     spec = offered.get(name)
     if spec is None:
         return {"success": False, "error": f"unknown tool {name!r}; available tools: {', '.join(offered) or 'none'}"}
@@ -67,11 +69,36 @@ async def dispatch(name: str, raw_arguments: str, offered: dict[str, ToolSpec], 
         return {"success": False, "error": f"arguments are not valid JSON: {e}"}
     if not isinstance(arguments, dict):
         return {"success": False, "error": "arguments must be a JSON object"}
-    try:
-        inspect.signature(spec.fn).bind(ctx, **arguments)
-    except TypeError as e:
-        return {"success": False, "error": f"bad arguments for {name}: {e}"}
+    required = spec.parameters.get("required", ())
+    arguments = {k: v for k, v in arguments.items() if v is not None or k in required}  # null: left out
+    if error := argument_error(spec.parameters, arguments):
+        return {"success": False, "error": f"bad arguments for {name}: {error}"}
     try:
         return await spec.fn(ctx, **arguments)
     except Exception as e:  # a tool's own bug must not end the conversation; it counts as that tool's failure
         return {"success": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def argument_error(schema: dict, arguments: dict) -> str | None:
+    """What is wrong with a tool call's arguments by the tool's own JSON schema, in one line, or None."""
+    validator = _validator(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments)) if validator else None
+    if error is None:
+        return None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+    return f"`{where}`: {error.message}" if where else error.message
+
+
+@functools.lru_cache(maxsize=1024)
+def _validator(schema: bytes) -> jsonschema.protocols.Validator | None:
+    """One validator per schema, in the schema's own draft (2020-12 when it names none); `integer`
+    means a JSON integer (5, not 5.0 or true) as the tools take it. None for a schema jsonschema
+    cannot read (an MCP server's own mistake, which its server judges)."""
+    loaded = orjson.loads(schema)
+    cls = jsonschema.validators.validator_for(loaded, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(loaded)
+    except jsonschema.SchemaError:
+        return None
+    strict = cls.TYPE_CHECKER.redefine("integer", lambda _, value: type(value) is int)
+    return jsonschema.validators.extend(cls, type_checker=strict)(loaded)

@@ -2,7 +2,8 @@
 
 It serves canned replies chosen per conversation, so an agent runner can be
 exercised end to end (tool calls, reasoning fields, errors, retries, latency)
-without a real model. Binds 127.0.0.1 only; stdlib asyncio plus orjson if present.
+without a real model. Binds 127.0.0.1 only; aiohttp.web (its sockets written to directly for the
+connection faults) plus orjson if present.
 
 Endpoints
 ---------
@@ -146,6 +147,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from aiohttp import web
+
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is optional
@@ -160,7 +163,6 @@ HOST = "127.0.0.1"
 MODEL_ID = "scripted-model"
 DEFAULT_USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
 FALLBACK_REPLY: dict[str, Any] = {"content": "ok"}
-STREAM_LIMIT = 1 << 20  # max header block size; bodies are read separately
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -292,13 +294,9 @@ class Streamed:
 
 @dataclass
 class Raw:
-    """Bytes written as they are after the request is read; `close`: then the connection is closed;
-    `later` is written `later_delay` seconds after."""
+    """Bytes written to the socket as they are after the request is read, then the connection is closed."""
 
     data: bytes
-    close: bool = True
-    later: bytes = b""
-    later_delay: float = 0.0
     reset: bool = False  # end with a RST instead of a FIN
     billed: bool = False  # `data` is a complete reply
 
@@ -313,6 +311,8 @@ class Outcome:
     delay: float = 0.0
     gate: threading.Event | None = None  # held until the test opens it
     billed: bool = False  # the payload is a complete reply (a Raw or a Streamed one says so itself)
+    trailing: bytes = b""  # written to the socket after the answer, on its kept-alive connection
+    trailing_delay: float = 0.0  # that long after it
 
 
 class ScriptedBackend:
@@ -477,11 +477,8 @@ class ScriptedBackend:
             return Outcome(200, Raw(answer + b"%x\r\n%s\r\n" % (len(data), data), reset=reply["end"] == "reset",
                                     billed=True), {}, delay)
         if "trailing" in reply:
-            answer, trailing = encode_response(200, dumps(completion), {}, True), str(reply["trailing"]).encode("latin-1")
-            if reply.get("trailing_delay"):
-                late = float(reply["trailing_delay"])
-                return Outcome(200, Raw(answer, False, trailing, late, billed=True), {}, delay)
-            return Outcome(200, Raw(answer + trailing, close=False, billed=True), {}, delay)
+            return Outcome(200, completion, {}, delay, billed=True, trailing=str(reply["trailing"]).encode("latin-1"),
+                           trailing_delay=float(reply.get("trailing_delay") or 0.0))
         return Outcome(200, completion, typed, delay, billed=True)
 
     def _completion(self, reply: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -636,88 +633,8 @@ def load_script(path: str | os.PathLike[str]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- HTTP layer
 
 
-@dataclass
-class Request:
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    keep_alive: bool
-
-
-class BadRequest(Exception):
-    """Malformed HTTP; answered with 400 and the connection is closed."""
-
-
-async def read_request(reader: asyncio.StreamReader) -> Request | None:
-    """Read one HTTP/1.1 request; None on a clean EOF between requests."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial.strip():
-            raise BadRequest("truncated request head") from None
-        return None
-    except asyncio.LimitOverrunError:
-        raise BadRequest("request head too large") from None
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        method, target, version = lines[0].split(" ", 2)
-    except ValueError:
-        raise BadRequest(f"bad request line {lines[0]!r}") from None
-    headers = parse_headers(lines[1:])
-    body = await read_body(reader, headers)
-    return Request(method.upper(), target.split("?", 1)[0], headers, body,
-                   wants_keep_alive(version, headers))
-
-
-def parse_headers(lines: list[str]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise BadRequest(f"bad header line {line!r}")
-        headers[name.strip().lower()] = value.strip()
-    return headers
-
-
-def wants_keep_alive(version: str, headers: dict[str, str]) -> bool:
-    """HTTP/1.1 keeps the connection unless told otherwise; 1.0 only if asked."""
-    connection = headers.get("connection", "").lower()
-    if version.strip().upper() == "HTTP/1.0":
-        return "keep-alive" in connection
-    return "close" not in connection
-
-
-async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        return await read_chunked(reader)
-    try:
-        length = int(headers.get("content-length", "0") or 0)
-    except ValueError:
-        raise BadRequest("bad Content-Length") from None
-    return await reader.readexactly(length) if length > 0 else b""
-
-
-async def read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
-    while True:
-        size_line = await reader.readline()
-        try:
-            size = int(size_line.split(b";", 1)[0].strip(), 16)
-        except ValueError:
-            raise BadRequest("bad chunk size") from None
-        if size == 0:
-            while (await reader.readline()).strip():  # skip trailers
-                pass
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
-
-
-def encode_response(status: int, body: bytes, headers: dict[str, str],
-                    keep_alive: bool) -> bytes:
+def encode_response(status: int, body: bytes, headers: dict[str, str], keep_alive: bool) -> bytes:
+    """A whole HTTP/1.1 response as bytes: the head of the answers that break the protocol on purpose."""
     try:
         reason = HTTPStatus(status).phrase
     except ValueError:
@@ -729,108 +646,81 @@ def encode_response(status: int, body: bytes, headers: dict[str, str],
 
 
 class HttpServer:
-    """asyncio stream server that routes requests to a ScriptedBackend."""
+    """aiohttp.web routing requests to a ScriptedBackend. The faults of a connection (Raw answers, a
+    stream's stall, cut or bad end) are written to, or done to, its socket itself."""
 
     def __init__(self, backend: ScriptedBackend) -> None:
         self.backend = backend
-        self._server: asyncio.base_events.Server | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self, port: int = 0, tls: ssl.SSLContext | None = None) -> int:
-        self._server = await asyncio.start_server(
-            self._on_connection, host=HOST, port=port, backlog=4096,
-            limit=STREAM_LIMIT, reuse_address=True, ssl=tls)
-        self.port = self._server.sockets[0].getsockname()[1]
+        app = web.Application(client_max_size=1 << 30)  # a long conversation's request is large
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        # answers still held or paced are not waited for at the close (0 would mean: wait for ever)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.01)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, HOST, port, backlog=4096, reuse_address=True, ssl_context=tls)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
         return self.port
 
     async def close(self) -> None:
-        """Stop listening and drop open keep-alive connections (3.11 won't do it)."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+        """Stop listening and drop open connections, then end the answers still held or paced (the loop
+        is the server's own: every other task on it is one)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        while answers := asyncio.all_tasks() - {asyncio.current_task()}:
+            for task in answers:
+                task.cancel()
+            await asyncio.gather(*answers, return_exceptions=True)
 
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        answer = await self._route(request)
+        payload = answer.payload
         try:
-            await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            if task is not None:
-                self._tasks.discard(task)
-            writer.close()
-
-    async def _serve(self, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                request = await read_request(reader)
-            except BadRequest as exc:
-                writer.write(encode_response(400, dumps(error_payload(400, str(exc))), {},
-                                             False))
-                await writer.drain()
-                return
-            if request is None:
-                return
-            if request.headers.get("expect", "").lower() == "100-continue":
-                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            answer = await self._route(request)
-            payload = answer.payload
             if isinstance(payload, Raw):
-                self.backend.billed += payload.billed  # counted before it is sent, as the log is
-                writer.write(payload.data)
-                await writer.drain()
-                if payload.later:
-                    await asyncio.sleep(payload.later_delay)
-                    writer.write(payload.later)
-                    await writer.drain()
-                if payload.reset:
-                    _reset(writer)
-                if payload.close or payload.reset:
-                    return
-                continue
+                return await self._raw(request, payload)
             if isinstance(payload, Streamed):
-                if not await self._stream(reader, writer, payload, answer.headers, request.keep_alive):
-                    return
-                continue
+                return await self._stream(request, payload, answer.headers)
             body = payload if isinstance(payload, bytes) else dumps(payload)
             self.backend.billed += answer.billed
-            writer.write(encode_response(answer.status, body, answer.headers, request.keep_alive))
-            await writer.drain()
-            if not request.keep_alive:
-                return
+            response = web.Response(status=answer.status, body=body, headers={**JSON_HEADERS, **answer.headers})
+            if answer.trailing:
+                await response.prepare(request)
+                await response.write_eof()
+                if answer.trailing_delay:
+                    await asyncio.sleep(answer.trailing_delay)
+                request.transport.write(answer.trailing)
+            return response
+        except ConnectionError:  # the client left mid-answer
+            return web.Response()
 
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plan: Streamed, headers: dict[str, str],
-                      keep_alive: bool) -> bool:
-        """Send a streamed answer as a chunked body; False when the connection must end here."""
-        head = encode_response(200, b"", headers, keep_alive).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    async def _raw(self, request: web.Request, raw: Raw) -> web.StreamResponse:
+        """Bytes written as they are, then the connection ended: aiohttp writes nothing more to it."""
+        self.backend.billed += raw.billed  # counted before it is sent, as the log is
+        request.transport.write(raw.data)
+        _reset(request.transport) if raw.reset else request.transport.close()
+        return web.Response()
+
+    async def _stream(self, request: web.Request, plan: Streamed, headers: dict[str, str]) -> web.StreamResponse:
+        """A streamed answer as a chunked body, paced and broken as the plan says."""
+        response = web.StreamResponse(headers={**JSON_HEADERS, **headers})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
         if not (plan.chunk_delay or plan.write_bytes or plan.comments or plan.stall_after is not None
                 or plan.cut_after is not None):  # nothing to pace: one write, as an unstreamed answer is
             self.backend.stream_events += len(plan.events)
             self.backend.billed += plan.complete_after is not None
-            writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in plan.events))
-            return await self._end(reader, writer, plan, keep_alive)
-        writer.write(head)
-        await writer.drain()
+            await response.write(b"".join(plan.events))
+            return await self._end(request, response, plan)
         for n, event in enumerate(plan.events):
             if n == plan.stall_after:
-                await _until_closed(reader)
-                return False
+                await _until_closed(request)
+                return response
             if n == plan.cut_after:
-                writer.transport.abort()
-                return False
+                request.transport.abort()
+                return response
             if n and plan.chunk_delay:
                 await asyncio.sleep(plan.chunk_delay)
             if plan.comments:
@@ -838,41 +728,41 @@ class HttpServer:
             self.backend.billed += n + 1 == plan.complete_after
             step = plan.write_bytes or len(event)
             for i in range(0, len(event), step):
-                piece = event[i:i + step]
-                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                await writer.drain()
+                await response.write(event[i:i + step])
                 if plan.write_bytes:
                     await asyncio.sleep(0.002)  # apart, so that the client reads them apart
             self.backend.stream_events += 1
-        return await self._end(reader, writer, plan, keep_alive)
+        return await self._end(request, response, plan)
 
     @staticmethod
-    async def _end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, plan: Streamed, keep_alive: bool) -> bool:
+    async def _end(request: web.Request, response: web.StreamResponse, plan: Streamed) -> web.StreamResponse:
         """The chunked terminator, or the plan's bad end instead of it."""
-        writer.write(b"0\r\n\r\n" if plan.end is None else b"")
-        await writer.drain()
-        if plan.end == "reset":
-            _reset(writer)
-        elif plan.end == "hold":
-            await _until_closed(reader)
-        return keep_alive and plan.end is None
+        if plan.end is None:
+            await response.write_eof()
+        elif plan.end == "reset":
+            _reset(request.transport)
+        elif plan.end == "close":
+            request.transport.close()
+        else:  # "hold"
+            await _until_closed(request)
+        return response
 
-    async def _route(self, req: Request) -> Outcome:
-        path = req.path.rstrip("/") or "/"
-        if req.method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
-            outcome = self.backend.handle_chat(req.body, req.headers.get("authorization"))
+    async def _route(self, request: web.Request) -> Outcome:
+        path, method, body = request.path.rstrip("/") or "/", request.method, await request.read()
+        if method == "POST" and path in ("/v1/chat/completions", "/chat/completions"):
+            outcome = self.backend.handle_chat(body, request.headers.get("authorization"))
             while outcome.gate is not None and not outcome.gate.is_set():
                 await asyncio.sleep(0.02)
             if outcome.delay > 0:
                 await asyncio.sleep(outcome.delay)
             return outcome
-        if req.method == "GET" and path in ("/v1/models", "/models"):
+        if method == "GET" and path in ("/v1/models", "/models"):
             return Outcome(200, models_payload())
-        if req.method == "POST" and path == "/_script":
-            return self._swap_script(req.body)
-        if req.method == "GET" and path == "/_stats":
+        if method == "POST" and path == "/_script":
+            return self._swap_script(body)
+        if method == "GET" and path == "/_stats":
             return Outcome(200, self.backend.stats())
-        return Outcome(404, error_payload(404, f"no route for {req.method} {req.path}"))
+        return Outcome(404, error_payload(404, f"no route for {method} {request.path}"))
 
     def _swap_script(self, raw: bytes) -> Outcome:
         try:
@@ -882,19 +772,19 @@ class HttpServer:
         return Outcome(200, {"ok": True})
 
 
-def _reset(writer: asyncio.StreamWriter) -> None:
+def _reset(transport: asyncio.Transport) -> None:
     """End the connection with a RST (SO_LINGER 0), not a FIN; what was written has left already
     (on loopback the kernel hands it to the client at once)."""
-    sock = writer.get_extra_info("socket")
+    sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
+    transport.abort()
 
 
-async def _until_closed(reader: asyncio.StreamReader) -> None:
+async def _until_closed(request: web.Request) -> None:
     """Hold a connection open, sending nothing, until the client closes it."""
-    while await reader.read(1 << 16):
-        pass
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(0.02)
 
 
 def models_payload() -> dict[str, Any]:

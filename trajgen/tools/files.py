@@ -3,7 +3,8 @@
 Reads and writes go through the sandbox (host-side and path-checked for the local backend);
 the search runs inside it. Files are streamed, never loaded whole: read_file keeps only the
 window of lines it shows, patch refuses files over MAX_PATCH_BYTES, so no file a model makes can
-fill the worker's memory. A model's bad arguments or a refused path come back as success=False
+fill the worker's memory. A model's bad arguments (their types and bounds checked against each
+tool's schema by trajgen/registry.py's dispatch) or a refused path come back as success=False
 with a message, never as an exception.
 """
 from __future__ import annotations
@@ -29,14 +30,11 @@ def _fail(error: str) -> dict:
     return {"success": False, "error": error}
 
 
-def _bad_args(strings: dict[str, object], positive: dict[str, object] | None = None) -> str | None:
-    """The first argument error, if any: `strings` must be non-empty str, `positive` int >= 1."""
+def _empty(**strings: str) -> str | None:
+    """The first of `strings` that is empty, as an error (their types were checked against the schema)."""
     for name, value in strings.items():
-        if not isinstance(value, str) or not value:
+        if not value:
             return f"`{name}` must be a non-empty string"
-    for name, value in (positive or {}).items():
-        if type(value) is not int or value < 1:
-            return f"`{name}` must be a positive integer"
     return None
 
 
@@ -122,8 +120,8 @@ async def _read_window(sandbox: Sandbox, path: str, window: _Window) -> bool:
     return True
 
 
-async def read_file(ctx: ToolContext, path: object = None, offset: object = 1, limit: object = DEFAULT_LIMIT) -> dict:
-    if error := _bad_args({"path": path}, {"offset": offset, "limit": limit}):
+async def read_file(ctx: ToolContext, path: str, offset: int = 1, limit: int = DEFAULT_LIMIT) -> dict:
+    if error := _empty(path=path):
         return _fail(error)
     window = _Window(offset, limit)
     try:
@@ -141,11 +139,9 @@ async def read_file(ctx: ToolContext, path: object = None, offset: object = 1, l
     }
 
 
-async def write_file(ctx: ToolContext, path: object = None, content: object = None) -> dict:
-    if error := _bad_args({"path": path}):
+async def write_file(ctx: ToolContext, path: str, content: str) -> dict:
+    if error := _empty(path=path):
         return _fail(error)
-    if not isinstance(content, str):
-        return _fail("`content` must be a string")
     data = content.encode("utf-8")
     try:
         await (await ctx.sandbox()).write_file(path, data)
@@ -155,14 +151,10 @@ async def write_file(ctx: ToolContext, path: object = None, content: object = No
 
 
 async def patch(
-    ctx: ToolContext, path: object = None, old_string: object = None, new_string: object = None, replace_all: object = False
+    ctx: ToolContext, path: str, old_string: str, new_string: str, replace_all: bool = False
 ) -> dict:
-    if error := _bad_args({"path": path, "old_string": old_string}):
+    if error := _empty(path=path, old_string=old_string):
         return _fail(error)
-    if not isinstance(new_string, str):
-        return _fail("`new_string` must be a string")
-    if not isinstance(replace_all, bool):
-        return _fail("`replace_all` must be true or false")
     try:
         sandbox = await ctx.sandbox()
         text = (await read_whole(sandbox, path, MAX_PATCH_BYTES)).decode("utf-8")
@@ -193,10 +185,10 @@ def _search_command(pattern: str, path: str, file_glob: str | None) -> str:
     return f"if command -v rg >/dev/null 2>&1; then {rg}; else {grep}; fi 2>&1 | head -n {MAX_MATCHES + 1}"
 
 
-async def search_files(ctx: ToolContext, pattern: object = None, path: object = ".", file_glob: object = None) -> dict:
-    if error := _bad_args({"pattern": pattern, "path": path}):
+async def search_files(ctx: ToolContext, pattern: str, path: str = ".", file_glob: str | None = None) -> dict:
+    if error := _empty(pattern=pattern, path=path):
         return _fail(error)
-    if file_glob is not None and (not isinstance(file_glob, str) or not file_glob):
+    if file_glob == "":
         return _fail("`file_glob` must be a non-empty string such as '*.py'")
     try:
         sandbox = await ctx.sandbox()

@@ -1,4 +1,5 @@
-"""The MCP config: servers in the shape Claude Desktop, Cursor and VS Code use, checked at load.
+"""The MCP config: servers in the shape Claude Desktop, Cursor and VS Code use, checked at load (the
+shapes by a JSON schema per kind of server, each of its errors said in one line of our own).
 
 Kept apart from trajgen/tools/mcp.py so that reading a config (and --list_distributions) needs
 no MCP SDK.
@@ -10,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jsonschema
 import orjson
 
 from trajgen.distributions import TOOLSETS
@@ -40,16 +42,40 @@ class ServerFailed(Exception):
     """A server that cannot start or list its tools at the probe: the run cannot offer it."""
 
 
+STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+CONFIG = jsonschema.Draft202012Validator({
+    "type": "object", "required": ["mcpServers"], "properties": {"mcpServers": {"type": "object", "minProperties": 1}}})
+SERVERS = {  # by kind; `additionalProperties`: the keys that do not go with it
+    "command": jsonschema.Draft202012Validator({
+        "type": "object", "additionalProperties": False, "properties": {
+            "command": {"type": "string", "minLength": 1}, "args": {"type": "array", "items": {"type": "string"}},
+            "env": STRINGS, "cwd": {"type": "string", "minLength": 1}, "type": {"enum": TYPES["command"]}}}),
+    "url": jsonschema.Draft202012Validator({
+        "type": "object", "additionalProperties": False, "properties": {
+            "url": {"type": "string", "pattern": "^https?://[^/]"}, "type": {"enum": TYPES["url"]},
+            "headers": STRINGS | {"propertyNames": {"minLength": 1}}}}),
+}
+SAID = {  # what a schema's error says, by the server's kind and the key at fault ("": a key that does not go)
+    ("command", "command"): '"command" must be a non-empty string',
+    ("command", "cwd"): '"cwd" must be a non-empty string',
+    ("command", "args"): '"args" must be a list of strings',
+    ("command", "env"): '"env" must map names to strings',
+    ("command", ""): '"headers" go with "url" (a command server gets "env")',
+    ("url", "url"): '"url" must be an http(s) URL, with only "type" and "headers" beside it',
+    ("url", ""): '"url" must be an http(s) URL, with only "type" and "headers" beside it',
+    ("url", "headers"): '"headers" must map names to strings',
+}
+
+
 def load_config(path: str) -> tuple[Server, ...]:
     """The servers of a Claude Desktop style config; UsageError (one line) for anything wrong in it."""
     try:
         data = orjson.loads(Path(path).read_bytes())
     except (OSError, orjson.JSONDecodeError) as e:
         raise UsageError(f"--mcp_config {path}: {getattr(e, 'strerror', None) or e}")
-    entries = data.get("mcpServers") if isinstance(data, dict) else None
-    if not isinstance(entries, dict) or not entries:
+    if not CONFIG.is_valid(data):
         raise UsageError(f'--mcp_config {path}: needs a non-empty "mcpServers" object')
-    return tuple(_server(path, name, entry) for name, entry in entries.items())
+    return tuple(_server(path, name, entry) for name, entry in data["mcpServers"].items())
 
 
 def _server(path: str, name: str, entry: object) -> Server:
@@ -68,37 +94,24 @@ def _server(path: str, name: str, entry: object) -> Server:
         raise UsageError(f'{where}: OAuth ("{min(oauth)}") needs a sign-in in a browser, which a batch run cannot do; '
                          'pass a token through "headers" instead, e.g. {"Authorization": "Bearer ${env:TOKEN}"}')
     kind = "command" if "command" in entry else "url"
-    if "type" in entry and entry["type"] not in TYPES[kind]:
-        raise UsageError(f"{where}: type {entry['type']!r} does not go with {kind!r}")
+    if error := jsonschema.exceptions.best_match(SERVERS[kind].iter_errors(entry)):
+        key = str(error.path[0]) if error.path else ""
+        raise UsageError(f"{where}: type {entry['type']!r} does not go with {kind!r}" if key == "type"
+                         else f"{where}: {SAID[kind, key]}")
     if kind == "url":
-        url = entry["url"]
-        if not isinstance(url, str) or not re.match(r"https?://[^/]", url) or set(entry) - {"url", "type", "headers"}:
-            raise UsageError(f'{where}: "url" must be an http(s) URL, with only "type" and "headers" beside it')
-        return Server(name, url=url, sse=entry.get("type") == "sse", headers=_headers(where, entry.get("headers", {})))
-    if "headers" in entry:
-        raise UsageError(f'{where}: "headers" go with "url" (a command server gets "env")')
-    command, args, env, cwd = entry["command"], entry.get("args", []), entry.get("env", {}), entry.get("cwd")
-    if not isinstance(command, str) or not command:
-        raise UsageError(f'{where}: "command" must be a non-empty string')
+        return Server(name, url=entry["url"], sse=entry.get("type") == "sse",
+                      headers=_headers(where, entry.get("headers", {})))
+    command = entry["command"]
     if os.path.basename(command) in CONTAINERS:
         raise UsageError(f'{where}: "{command}" starts a container of its own, which a sandbox cannot; run the '
                          "server's own command inside --terminal_backend=docker with --docker_image=IMAGE, "
                          'or serve it over HTTP and give its "url" (docs/mcp.md)')
-    if cwd is not None and (not isinstance(cwd, str) or not cwd):
-        raise UsageError(f'{where}: "cwd" must be a non-empty string')
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise UsageError(f'{where}: "args" must be a list of strings')
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise UsageError(f'{where}: "env" must map names to strings')
-    return Server(name, command, tuple(args), tuple(env.items()), cwd)
+    return Server(name, command, tuple(entry.get("args", ())), tuple(entry.get("env", {}).items()), entry.get("cwd"))
 
 
-def _headers(where: str, headers: object) -> tuple[tuple[str, str], ...]:
+def _headers(where: str, headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The headers with each ${env:NAME} replaced by that variable's value. The values are never
     quoted in an error: they are secrets."""
-    if not isinstance(headers, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
-                                                for k, v in headers.items()):
-        raise UsageError(f'{where}: "headers" must map names to strings')
 
     def value(key: str, text: str) -> str:
         def variable(match: re.Match) -> str:

@@ -13,11 +13,10 @@ def _failure(error: str) -> dict:
     return {"output": "", "exit_code": None, "error": error, "success": False}
 
 
-async def terminal(ctx: ToolContext, command: object = None, timeout: object = None) -> dict:
-    if not isinstance(command, str) or not command.strip():
+async def terminal(ctx: ToolContext, command: str, timeout: int | None = None) -> dict:
+    """Its arguments' types and bounds were checked against its schema (trajgen/registry.py)."""
+    if not command.strip():
         return _failure("`command` must be a non-empty string")
-    if timeout is not None and (type(timeout) is not int or timeout <= 0):
-        return _failure("`timeout` must be a positive integer number of seconds")
     limit = min(timeout, ctx.command_timeout) if timeout else ctx.command_timeout
     try:
         result = await (await ctx.sandbox()).run(command, limit)

@@ -146,11 +146,10 @@ def _api_error(provider: str, e: Exception) -> str:
     return message
 
 
-async def web_search(ctx: ToolContext, query: object = None, limit: object = DEFAULT_RESULTS) -> dict:
-    if not isinstance(query, str) or not query.strip():
+async def web_search(ctx: ToolContext, query: str, limit: int = DEFAULT_RESULTS) -> dict:
+    """Its arguments' types and bounds were checked against its schema (trajgen/registry.py)."""
+    if not query.strip():
         return _fail("`query` must be a non-empty string")
-    if type(limit) is not int or limit < 1:
-        return _fail(f"`limit` must be a positive integer (at most {MAX_RESULTS})")
     chosen = _provider()
     if chosen is None:
         return _fail(search_unavailable(ctx.settings))
@@ -159,7 +158,7 @@ async def web_search(ctx: ToolContext, query: object = None, limit: object = DEF
 
     try:
         async with _client() as client:
-            results = await search(client, query, min(limit, MAX_RESULTS))
+            results = await search(client, query, limit)
     except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError) as e:
         return _fail(_api_error(name, e))
     return {"success": True, "error": None, "provider": name, "results": results}
