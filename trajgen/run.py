@@ -107,6 +107,14 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
                 console.error(f"{e}; nothing was sent")
                 return Ran(1)
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
+        if opts.token_ids:
+            found = dry_run.token_dialect(prepared.model, opts.model == local_model.NAME)
+            if found.settings is None:
+                _forget(prepared)
+                console.error(found.said)
+                return Ran(found.status)
+            console.notice(found.said)
+            prepared = replace(prepared, model=found.settings)
         if opts.dry_run:
             return Ran(dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done),
                                       opts.max_cost, opts.max_total_tokens))

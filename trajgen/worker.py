@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, verify
+from trajgen import agent, chat_calls, journal, registry, token_ids, tokenizer, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -103,12 +103,14 @@ class Worker:
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
             tools, schemas = self.tools_for(task.toolsets_offered)
-            model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
+            journaled = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
+            model = (token_ids.Retokenizing(journaled, tokenizer.load(self.config.model.tokenizer))
+                     if self.config.model.tokenizer else journaled)
             async with deadline:
                 conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx)
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
-            row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
+            row["metadata"]["usage"]["replayed"] = journaled.replayed  # counted in the usage, not paid again
             row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
             row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
             return decide(task, row=row, files=prompt.ctx.files)
