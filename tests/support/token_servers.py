@@ -22,6 +22,7 @@ EOS, BOS = 0, 1
 KINDS = ("vllm", "sglang", "llama.cpp", "openai")
 VERSIONS = {"vllm": "0.11.0", "sglang": "0.5.3"}
 BUILD_INFO = "b6500-0123abcd"
+SERVER = web.AppKey("server", object)
 
 
 def rendered(body: dict) -> str:
@@ -91,7 +92,7 @@ def _choice_tokens(server: TokenServer, body: dict, ids: list[int], probs: list[
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    server: TokenServer = request.app["server"]
+    server: TokenServer = request.app[SERVER]
     body = await request.json()
     server.requests.append(body)
     if server.kind == "sglang" and body.get("stream") and (body.get("return_token_ids") or
@@ -144,7 +145,7 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 
 async def _version(request: web.Request) -> web.Response:
-    return web.json_response({"version": VERSIONS[request.app["server"].kind]})
+    return web.json_response({"version": VERSIONS[request.app[SERVER].kind]})
 
 
 async def _props(request: web.Request) -> web.Response:
@@ -155,7 +156,7 @@ def start(kind: str, replies: list[dict]) -> TokenServer:
     """Serve on 127.0.0.1 from a thread of its own; `stop()` ends it."""
     server = TokenServer(kind, replies)
     app = web.Application()
-    app["server"] = server
+    app[SERVER] = server
     app.router.add_post("/v1/chat/completions", _chat)
     if kind == "llama.cpp":
         app.router.add_post("/apply-template", _apply_template)
