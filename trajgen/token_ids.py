@@ -64,24 +64,26 @@ class Collector:
         self.logprob_ids: list = []
 
     def take(self, holder: dict, choice: dict) -> None:
-        """Read one body or chunk (`holder`) and its first choice."""
-        if (ids := holder.get("prompt_token_ids")) is not None:
-            self.prompt_ids, self.prompt_where = ids, VLLM
-        elif (ids := choice.get("prompt_token_ids")) is not None:
-            self.prompt_ids, self.prompt_where = ids, SGLANG
+        """Read one body or chunk (`holder`) and its first choice: a few lookups a chunk, since a
+        1,000-token reply streams 1,000 of them (bench/token_ids.py)."""
+        if self.prompt_where is None:
+            if (ids := holder.get("prompt_token_ids")) is not None:
+                self.prompt_ids, self.prompt_where = ids, VLLM
+            elif (ids := choice.get("prompt_token_ids")) is not None:
+                self.prompt_ids, self.prompt_where = ids, SGLANG
         if (ids := choice.get("token_ids")) is not None:
             if not isinstance(ids, list):
                 raise MalformedResponse(f"the reply's token_ids are not a list: {str(ids)[:200]}")
             if self.completion_ids is None:
                 self.completion_ids = []
-            self.completion_ids.extend(ids)
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict) and isinstance(content := logprobs.get("content"), list):
-            for entry in content:
-                if not isinstance(entry, dict):
-                    raise MalformedResponse(f"the reply's logprobs hold {str(entry)[:200]}, not a token's")
-                self.logprobs.append(entry.get("logprob"))
-                self.logprob_ids.append(entry.get("id"))
+            self.completion_ids += ids
+        if logprobs := choice.get("logprobs"):
+            try:
+                for entry in logprobs["content"]:
+                    self.logprobs.append(entry.get("logprob"))
+                    self.logprob_ids.append(entry.get("id"))
+            except (TypeError, KeyError, AttributeError):
+                raise MalformedResponse(f"the reply's logprobs are not a token's each: {str(logprobs)[:200]}") from None
 
     def found(self) -> dict:
         """What arrived, unchecked (`checked` judges it): the Completion's `tokens`."""

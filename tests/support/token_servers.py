@@ -185,3 +185,34 @@ def start(kind: str, replies: list[dict]) -> TokenServer:
 
     server.stop = stop
     return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.support.token_servers --kind=vllm --tokens=N`: one reply of N tokens to every
+    request, until killed (bench/token_ids.py); prints `READY <url>` once it listens."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", choices=KINDS, default="vllm")
+    parser.add_argument("--tokens", type=int, default=1000)
+    args = parser.parse_args(argv)
+    text = "".join(chr(ord("a") + i % 26) for i in range(args.tokens - 1))  # and EOS: `tokens` ids in all
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait, in every thread
+    server = start(args.kind, [{"content": text}])
+    server.requests = _Forgetful()
+    print(f"READY {server.url}", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop()
+    return 0
+
+
+class _Forgetful(list):
+    """A benchmark's server keeps no requests."""
+
+    def append(self, item) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
