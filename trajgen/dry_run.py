@@ -67,7 +67,7 @@ class TokenDialect:
     status: int = 0
 
 
-def token_dialect(settings: ModelSettings, local: bool) -> TokenDialect:
+def token_dialect(settings: ModelSettings) -> TokenDialect:
     """--token_ids: one tiny request asks in every dialect at once; a second one, in the dialect its
     reply spoke, goes the way every call of the run will (streamed or not; llama-server's prompt
     ids from /tokenize) and must bring ids that pass the check every reply gets."""
@@ -80,7 +80,7 @@ def token_dialect(settings: ModelSettings, local: bool) -> TokenDialect:
     kind = token_ids.kind_of(first.reply.tokens)
     if kind is None:
         return TokenDialect(token_ids.MISSING.format(what=token_ids.missing(first.reply.tokens)), status=2)
-    dialect = token_ids.Dialect(token_ids.LOCAL if local and kind == token_ids.VLLM else kind, _version(settings))
+    dialect = token_ids.Dialect(kind, _version(settings))
     asking = replace(settings, token_ids=dialect, stream=settings.stream and dialect.streams)
     second = probe(asking, retried=True)
     try:

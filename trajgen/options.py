@@ -94,7 +94,7 @@ class RunOptions:
     price_per_mtok: ListFlag = flag(None, "Dollars per million input,output tokens (e.g. 0.15,0.60; one number for both): the cost of every reply whose endpoint reports none (vLLM, OpenAI), so that --max_cost applies.", group="limits")
     cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.", group="resume")
     cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1, group="resume")
-    token_ids: bool = flag(False, "Keep in every gpt turn the token ids and logprobs the server sampled (vLLM, SGLang, llama.cpp's llama-server, --model=local; see docs/token_ids.md); an endpoint that sends none is refused before any prompt.", resume=True, group="output")
+    token_ids: bool = flag(False, "Keep in every gpt turn the token ids and logprobs the server sampled (vLLM, SGLang, llama.cpp's llama-server; see docs/token_ids.md); an endpoint that sends none is refused before any prompt.", resume=True, group="output")
     tokenizer: str | None = flag(None, "Hugging Face tokenizer (a local path or the local cache; nothing is downloaded) whose chat template retokenizes each request and reply: the ids of an endpoint that sends none, marked retokenized, or beside the server's to count the drift.", resume=True, group="output")
     verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).", group="output")
     output_dir: str = flag("data", "Parent directory of run directories.", group="run")

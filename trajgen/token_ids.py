@@ -10,11 +10,10 @@ from dataclasses import dataclass, replace
 
 from trajgen.errors import MalformedResponse
 
-VLLM, SGLANG, LLAMA_CPP, LOCAL = "vllm", "sglang", "llama.cpp", "local"
+VLLM, SGLANG, LLAMA_CPP = "vllm", "sglang", "llama.cpp"
 PROBE = "probe"  # the one-token probe asks in every dialect at once, to learn which one the server speaks
 _FIELDS = {
     VLLM: {"return_token_ids": True, "logprobs": True},
-    LOCAL: {"return_token_ids": True, "logprobs": True},  # trajgen/local_model.py answers as vLLM does
     SGLANG: {"return_prompt_token_ids": True, "return_token_ids": True, "logprobs": True},
     LLAMA_CPP: {"logprobs": True, "top_logprobs": 1},  # each logprob names its token's id
     PROBE: {"return_prompt_token_ids": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 1},
@@ -28,7 +27,7 @@ MISSING = ("--token_ids: the endpoint sent no token ids ({what}; vLLM >= 0.10.2,
 class Dialect:
     """How the run's server is asked for ids, found by the probe before any prompt."""
 
-    kind: str  # VLLM, SGLANG, LLAMA_CPP, LOCAL (or PROBE, for the probe itself)
+    kind: str  # VLLM, SGLANG, LLAMA_CPP (or PROBE, for the probe itself)
     version: str | None = None
 
     @property
