@@ -99,6 +99,17 @@ def test_without_the_flag_nothing_is_asked_and_the_rows_carry_no_ids(inline, tok
     assert "token_ids" not in json.loads((inline.run_dir() / "statistics.json").read_text())
 
 
+def test_a_run_from_before_the_flags_resumes_without_them(inline, token_server):
+    server = token_server("vllm")
+    assert _run(inline, server, prompts=("say hi", "again")).returncode == 0
+    manifest_path = inline.run_dir() / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest.pop("token_ids") is False and manifest.pop("tokenizer") is None
+    manifest_path.write_text(json.dumps(manifest))
+    done = _run(inline, server, prompts=("say hi", "again"), resume=True)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("fault", ["short_logprobs", "no_ids"])
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_reply_with_bad_ids_fails_its_prompt_and_is_never_written(inline, token_server, fault, stream):
@@ -121,6 +132,18 @@ def test_the_cache_serves_ids_again_but_never_a_reply_without_them(inline, token
     assert len(_calls(server)) == 4  # no call: the cached replies have their ids
     again = read_jsonl(inline.run_dir("again") / "trajectories.jsonl")[0]
     assert _gpt_tokens(again) == _gpt_tokens(first) and len(_gpt_tokens(again)) == 2
+
+
+def test_a_resumed_prompt_replays_its_journaled_reply_with_its_ids(inline, token_server):
+    server = token_server("vllm", [TWO_TURNS[0], {**TWO_TURNS[1], "fault": "no_ids"}])
+    assert _run(inline, server, "--token_ids").returncode == 1  # the second reply had no ids: the prompt failed
+    server.replies = TWO_TURNS
+    assert _run(inline, server, "--token_ids", resume=True).returncode == 0
+    calls = _calls(server)
+    assert len(calls) == 3  # the first reply was not asked again: the journal gave it back, ids and all
+    row = read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]
+    assert [t["prompt_ids"] for t in _gpt_tokens(row)] == [prompt_ids(calls[0]), prompt_ids(calls[2])]
+    assert _gpt_tokens(row)[0]["completion_logprobs"] == logprobs(len(_gpt_tokens(row)[0]["completion_ids"]))
 
 
 def test_checked_refuses_what_is_not_ids():

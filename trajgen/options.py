@@ -232,11 +232,13 @@ class RunOptions:
         now = self.settings_that_matter()
         if self.model == LOCAL_MODEL:  # it serves on a new port each time: its address is not a setting
             now.pop("base_url", None)
-        return [f"{k}: {manifest.get(k)!r} -> {v!r}" for k, v in now.items() if manifest.get(k) != v]
+        before = {k: manifest.get(k, DEFAULTS.get(k)) for k in now}  # a setting newer than the manifest: its default
+        return [f"{k}: {before[k]!r} -> {v!r}" for k, v in now.items() if before[k] != v]
 
 
 FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(RunOptions)
 TYPES: dict[str, object] = typing.get_type_hints(RunOptions)
+DEFAULTS: dict[str, object] = {f.name: f.default for f in FIELDS}
 PROVENANCE_SETTINGS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.metadata["provenance"])
 
 
