@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness  # noqa: E402
 from harness import CHILDREN, OUT, ROOT, _drop, _env, _fresh, _readline_with_timeout, cli_argv, dataset, run_cli, say  # noqa: E402
@@ -50,11 +52,57 @@ class TokenServer(harness.Server):
         self.url = line.split(" ", 1)[1].strip()
 
 
+def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
+    """CPU (this process's) per call of the chat call alone, Endpoint.call and the reply's check, in
+    rounds alternating without and with the ids: the part of the runner the ids change, with less of
+    the noise a whole run on a shared machine has."""
+    import asyncio
+    import time
+
+    from trajgen import chat_calls, token_ids
+    from trajgen.model import checked
+    from trajgen.task import ModelSettings
+
+    plain = ModelSettings(model="bench", base_url=url, api_key="dummy")
+    asking = replace(plain, token_ids=token_ids.Dialect(token_ids.VLLM))
+    messages = [{"role": "user", "content": "bench prompt: say done"}]
+
+    async def measure(settings: ModelSettings) -> float:
+        endpoint = chat_calls.Endpoint(settings, connections=1)
+        body = chat_calls.request_body(settings, messages, None)
+        await endpoint.call(body)  # the connection opened
+        started = time.process_time()
+        for _ in range(calls):
+            completion = await endpoint.call(body)
+            reply = checked(completion.message, {})
+            if settings.token_ids:
+                token_ids.checked(completion.tokens, reply.usage)
+        await endpoint.close()
+        return 1000 * (time.process_time() - started) / calls
+
+    found: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for _ in range(rounds):
+        for arm, settings in zip(ARMS, (plain, asking)):
+            found[arm].append(asyncio.run(measure(settings)))
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of the call path alone (0: skip it)")
     args = parser.parse_args()
+    if args.rounds:
+        with TokenServer(TOKENS) as server:
+            alone = call_path(server.url, args.rounds, 20)
+        lows = {arm: min(v) for arm, v in alone.items()}
+        mids = {arm: statistics.median(v) for arm, v in alone.items()}
+        say(f"call path alone, CPU per call: min {lows}, median {mids}: "
+            f"{100 * (lows['with --token_ids'] / lows['without'] - 1):+.1f}% by the minimum, "
+            f"{100 * (mids['with --token_ids'] / mids['without'] - 1):+.1f}% by the median")
+    if not args.repeats:
+        return 0
     n, data, one = args.prompts, dataset(args.prompts), dataset(1)
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}  # ms per call, net of the fixed cost
     server_cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}

@@ -69,7 +69,7 @@ def _entries(kind: str, ids: list[int], probs: list[float]) -> list[dict]:
     """logprobs.content[]: llama-server names each token's id, the others only its text."""
     entries = []
     for token, logprob in zip(ids, probs):
-        entry = {"token": chr(token) if token > BOS else "", "logprob": logprob, "bytes": [], "top_logprobs": []}
+        entry = {"token": chr(token) if token > BOS else "", "logprob": logprob, "bytes": [token], "top_logprobs": []}
         entries.append({"id": token, **entry} if kind == "llama.cpp" else entry)
     return entries
 
@@ -114,7 +114,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
 
     async def send(data: dict) -> None:
-        await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        await response.write(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")  # compact, as vLLM
 
     # a chunk per character of the content with its token's id and logprob; then the reasoning, the
     # tool calls and EOS in the last chunk, with the finish reason
