@@ -5,7 +5,9 @@ most 10% more).
 
 A vLLM-shaped loopback server (tests/support/token_servers.py, its own process) streams every
 reply one token a chunk, as vLLM does: 1,000 chunks, each with its `token_ids` piece and its
-`logprobs.content` entry when the run asks for them. Each prompt is one call. The runs alternate
+`logprobs.content` entry when the run asks for them, at 1,000 tokens a second (--pace; a real
+server is slower still), so that both arms read the stream in the same pieces whatever the
+server's own CPU. Each prompt is one call. The runs alternate
 (without, with) so that the machine's load spreads over both; CPU is getrusage of the CLI and all
 its descendants (the fork server and its workers adopted: bench/harness.py), net of one
 invocation's fixed cost measured the same way with one prompt. Prints the figures; the section
@@ -24,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import harness  # noqa: E402
-from harness import CHILDREN, OUT, ROOT, _drop, _env, _fresh, _readline_with_timeout, cli_argv, dataset, run_cli, say  # noqa: E402
+from harness import (CHILDREN, OUT, ROOT, _drop, _env, _fresh, _readline_with_timeout, cli_argv, dataset,  # noqa: E402
+                     run_cli, say)
 
 TOKENS = 1000
 harness.QUIET["max_wait"] = 10.0  # eight jobs share this machine: it is never quiet for long
@@ -34,8 +37,8 @@ ARMS = {"without": (), "with --token_ids": ("--token_ids",)}
 class TokenServer(harness.Server):
     """harness.Server's process, serving ids as vLLM does instead of a script."""
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def __init__(self, tokens: int, pace: float):
+        self.tokens, self.pace = tokens, pace
         OUT.mkdir(parents=True, exist_ok=True)
         self.log = open(OUT / "server-token-ids.log", "ab")
         self.restarts = 0
@@ -43,7 +46,7 @@ class TokenServer(harness.Server):
 
     def start(self) -> None:
         self.proc = CHILDREN.start([sys.executable, "-m", "tests.support.token_servers", "--kind=vllm",
-                                    f"--tokens={self.tokens}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
+                                    f"--tokens={self.tokens}", f"--pace={self.pace}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
                                    env=_env())
         line = _readline_with_timeout(self.proc, 30)
         if not line.startswith("READY http://127.0.0.1:"):
@@ -67,16 +70,18 @@ def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
     asking = replace(plain, token_ids=token_ids.Dialect(token_ids.VLLM))
     messages = [{"role": "user", "content": "bench prompt: say done"}]
 
+    async def one(endpoint: chat_calls.Endpoint, body: bytes) -> None:
+        completion = await endpoint.call(body)
+        reply = checked(completion.message, {})
+        if endpoint.settings.token_ids:
+            token_ids.checked(completion.tokens, reply.usage)
+
     async def measure(settings: ModelSettings) -> float:
-        endpoint = chat_calls.Endpoint(settings, connections=1)
+        endpoint = chat_calls.Endpoint(settings, connections=calls)
         body = chat_calls.request_body(settings, messages, None)
-        await endpoint.call(body)  # the connection opened
+        await asyncio.gather(*(one(endpoint, body) for _ in range(calls)))  # the connections opened
         started = time.process_time()
-        for _ in range(calls):
-            completion = await endpoint.call(body)
-            reply = checked(completion.message, {})
-            if settings.token_ids:
-                token_ids.checked(completion.tokens, reply.usage)
+        await asyncio.gather(*(one(endpoint, body) for _ in range(calls)))  # in flight together, as in a run
         await endpoint.close()
         return 1000 * (time.process_time() - started) / calls
 
@@ -92,9 +97,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=20, help="rounds of the call path alone (0: skip it)")
+    parser.add_argument("--pace", type=float, default=0.01,
+                        help="seconds between each ten chunks (0.01: 1,000 tokens/s; 0: every chunk at once)")
     args = parser.parse_args()
     if args.rounds:
-        with TokenServer(TOKENS) as server:
+        with TokenServer(TOKENS, args.pace) as server:
             alone = call_path(server.url, args.rounds, 20)
         lows = {arm: min(v) for arm, v in alone.items()}
         mids = {arm: statistics.median(v) for arm, v in alone.items()}
@@ -107,7 +114,7 @@ def main() -> int:
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}  # ms per call, net of the fixed cost
     server_cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     busy: list[float] = []
-    with TokenServer(TOKENS) as server:
+    with TokenServer(TOKENS, args.pace) as server:
         for rep in range(args.repeats):
             for arm, flags in ARMS.items():
                 runs = {}

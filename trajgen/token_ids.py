@@ -156,8 +156,9 @@ class Retokenizing:
         if reply.tokens is not None:
             return replace(reply, tokens={**reply.tokens, "retokenized": {"prompt_ids": prompt,
                                                                           "completion_ids": completion}})
-        return replace(reply, tokens={"prompt_ids": prompt, "prompt_source": "retokenized", "completion_ids": completion,
-                                      "completion_source": "retokenized", "completion_logprobs": None})
+        return replace(reply, tokens={"prompt_ids": prompt, "prompt_source": "retokenized",
+                                      "completion_ids": completion, "completion_source": "retokenized",
+                                      "completion_logprobs": None})
 
 def drifted(tokens: dict) -> bool:
     """The server's ids and the tokenizer's differ for this turn."""

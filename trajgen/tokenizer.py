@@ -39,7 +39,8 @@ def load(name_or_path: str) -> Tokenizer:
         raise UsageError(f"--tokenizer={name_or_path} cannot be loaded: {said}") from None
     template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
     if template is None:
-        raise UsageError(f"--tokenizer={name_or_path} cannot be loaded: it has no chat template to render requests with")
+        raise UsageError(f"--tokenizer={name_or_path} cannot be loaded: it has no chat template to render "
+                         "requests with")
     revision = loaded.init_kwargs.get("_commit_hash")
     return Tokenizer(name_or_path, revision if isinstance(revision, str) else None,
                      hashlib.sha256(template.encode()).hexdigest(), loaded)

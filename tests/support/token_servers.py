@@ -57,6 +57,7 @@ class TokenServer:
     replies: list[dict]
     url: str = ""
     requests: list[dict] = field(default_factory=list)
+    pace: float = 0.0  # streamed: seconds between each ten chunks, as a server generates them (0: at once)
     stop: object = None  # ends the server (set by `start`)
 
     def reply_for(self, body: dict) -> tuple[dict, str | None]:
@@ -74,7 +75,8 @@ def _entries(kind: str, ids: list[int], probs: list[float]) -> list[dict]:
     return entries
 
 
-def _choice_tokens(server: TokenServer, body: dict, ids: list[int], probs: list[float], first: bool) -> tuple[dict, dict]:
+def _choice_tokens(server: TokenServer, body: dict, ids: list[int], probs: list[float],
+                   first: bool) -> tuple[dict, dict]:
     """(top-level fields, choice fields) carrying `ids` and their `probs`, as the server's kind sends them."""
     kind, top, choice = server.kind, {}, {}
     if kind == "vllm" and body.get("return_token_ids"):
@@ -130,6 +132,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         await send({**base, "object": "chat.completion.chunk", **top,
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish if delta is last else None,
                                  **choice}]})
+        if server.pace and i % 10 == 9:
+            await asyncio.sleep(server.pace)
     await send({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
     await response.write(b"data: [DONE]\n\n")
     return response
@@ -196,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", choices=KINDS, default="vllm")
     parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds between each ten chunks")
     args = parser.parse_args(argv)
     text = "".join(chr(ord("a") + i % 26) for i in range(args.tokens - 1))  # and EOS: `tokens` ids in all
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait, in every thread
     server = start(args.kind, [{"content": text}])
+    server.pace = args.pace
     server.requests = _Forgetful()
     print(f"READY {server.url}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
