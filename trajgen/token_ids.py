@@ -53,15 +53,17 @@ class Collector:
     """The ids and logprobs of one reply, gathered from its body or from each streamed chunk as
     they come: vLLM's top-level `prompt_token_ids` (the first chunk), SGLang's per choice, every
     `choices[0].token_ids` piece, and each `logprobs.content[]` entry (llama.cpp's with its `id`).
-    A chunk's pieces are only kept, and read once the reply is whole: a 1,000-token reply streams
-    1,000 chunks, and a few lookups each is all they may cost (bench/token_ids.py)."""
+    Only numbers are kept of a chunk, never its objects: a 1,000-token reply streams 1,000 chunks,
+    and keeping their dicts alive until the reply ends made the garbage collector walk them over
+    and over (bench/token_ids.py)."""
 
-    __slots__ = ("prompt_ids", "prompt_where", "id_pieces", "logprob_pieces")
+    __slots__ = ("prompt_ids", "prompt_where", "completion_ids", "logprobs", "logprob_ids")
 
     def __init__(self) -> None:
         self.prompt_ids, self.prompt_where = None, None
-        self.id_pieces: list = []  # each chunk's `token_ids`
-        self.logprob_pieces: list = []  # each chunk's `logprobs.content`
+        self.completion_ids: list | None = None
+        self.logprobs: list = []
+        self.logprob_ids: list = []
 
     def take(self, holder: dict, choice: dict) -> None:
         """Read one body or chunk (`holder`) and its first choice."""
@@ -70,23 +72,23 @@ class Collector:
                 self.prompt_ids, self.prompt_where = ids, VLLM
             elif (ids := choice.get("prompt_token_ids")) is not None:
                 self.prompt_ids, self.prompt_where = ids, SGLANG
-        if (ids := choice.get("token_ids")) is not None:
-            self.id_pieces.append(ids)
-        if (logprobs := choice.get("logprobs")) is not None:
-            self.logprob_pieces.append(logprobs)
+        try:
+            if (ids := choice.get("token_ids")) is not None:
+                if self.completion_ids is None:
+                    self.completion_ids = []
+                self.completion_ids += ids
+            if logprobs := choice.get("logprobs"):
+                for entry in logprobs["content"] or ():
+                    self.logprobs.append(entry.get("logprob"))
+                    self.logprob_ids.append(entry.get("id"))
+        except (TypeError, KeyError, AttributeError):
+            raise MalformedResponse(f"the reply's token_ids or logprobs are not a token's each: "
+                                    f"{str(choice)[:200]}") from None
 
     def found(self) -> dict:
-        """What arrived, unchecked (`checked` judges it): the Completion's `tokens`, or
-        MalformedResponse for pieces that are not lists of ids, of logprob entries."""
-        try:
-            ids = [i for piece in self.id_pieces for i in piece] if self.id_pieces else None
-            entries = [e for piece in self.logprob_pieces if piece for e in piece["content"] or ()]
-            logprobs, logprob_ids = [e.get("logprob") for e in entries], [e.get("id") for e in entries]
-        except (TypeError, KeyError, AttributeError):
-            raise MalformedResponse(f"the reply's token_ids or logprobs are not lists of a token's: "
-                                    f"{str(self.id_pieces)[:100]} {str(self.logprob_pieces)[:100]}") from None
-        return {"prompt_ids": self.prompt_ids, "prompt_where": self.prompt_where, "completion_ids": ids,
-                "logprobs": logprobs, "logprob_ids": logprob_ids}
+        """What arrived, unchecked (`checked` judges it): the Completion's `tokens`."""
+        return {"prompt_ids": self.prompt_ids, "prompt_where": self.prompt_where,
+                "completion_ids": self.completion_ids, "logprobs": self.logprobs, "logprob_ids": self.logprob_ids}
 
 
 def kind_of(found: dict | None) -> str | None:
