@@ -186,6 +186,7 @@ def start(kind: str, replies: list[dict]) -> TokenServer:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+        loop.close()
 
     server.stop = stop
     return server
