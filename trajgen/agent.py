@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from trajgen import registry, trajectory, verify
+from trajgen import registry, token_ids, tokenizer, trajectory, verify
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.simulated_user import FollowUp, Simulator
 from trajgen.tools import ToolContext, ToolSpec
@@ -37,6 +37,7 @@ class Conversation:
     simulated: list[int] = field(default_factory=list)  # indices of the messages a simulated user wrote
     episode_end: str = ""  # with a simulated user: why the episode ended (trajgen/simulated_user.py)
     user_model: str = ""  # the simulated user's model
+    tokens: list = field(default_factory=list)  # each reply's ids (--token_ids, --tokenizer), None without them
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     truncated: bool = False  # ended on a reply whose tool calls the token limit cut (finish reason `length`)
     wall_seconds: float = 0.0
@@ -50,6 +51,7 @@ class Conversation:
         add_usage(self.usage, reply.usage)
         self.timings.append(reply.timing)
         self.finish_reasons.append(reply.finish_reason)
+        self.tokens.append(reply.tokens)
         calls = [] if final_call else [
             {"id": c.get("id") or f"call_{len(self.replies)}_{i}", "type": "function",
              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments")}}
@@ -132,6 +134,9 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
     stats = trajectory.empty_tool_stats((*registry.ALL_TOOL_NAMES, *mcp_tool_names))
     hallucinated: list[str] = []
     replies, results, pending = iter(conv.replies), iter(conv.results), iter(())
+    with_ids = bool(settings.token_ids or settings.tokenizer)
+    sampling = {"temperature": settings.temperature, "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+    tokens, finish_reasons, turn_ids = iter(conv.tokens), iter(conv.finish_reasons), []
     reasoning_turns = 0
     for at, message in enumerate(conv.messages[conv.prompt_at + 1:], conv.prompt_at + 1):
         if message["role"] == "user":
@@ -147,6 +152,10 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
             pending = iter(calls)  # the tool messages that follow answer these calls, in order
             turns.append({**trajectory.gpt_turn(reasoning, content, calls), "message": message,
                           "reasoning": trajectory.reply_reasoning(reply)})
+            ids, finish_reason = next(tokens), next(finish_reasons)
+            if with_ids and ids is not None:
+                turn_ids.append(ids)
+                turns[-1]["tokens"] = token_ids.turn_tokens(ids, finish_reason, sampling)
         else:
             name, result = next(pending)["name"], next(results)
             entry = stats.setdefault(name, trajectory.tool_stat())
@@ -172,6 +181,9 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
            if conv.episode_end else {}),
         **({"side_usage": side_usage} if side_usage else {}),
     }
+    if with_ids:
+        tok = tokenizer.load(settings.tokenizer) if settings.tokenizer else None
+        metadata["token_ids"] = token_ids.row_metadata(settings.token_ids, tok, turn_ids)
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,

@@ -43,7 +43,7 @@ import certifi
 import orjson
 import tenacity
 
-from trajgen import stream
+from trajgen import stream, token_ids
 from trajgen.errors import (APIConnectionError, APIStatusError, APITimeoutError, EndpointUnreachable, FatalAPIError,
                             MalformedResponse, NotJSON, ProviderError, ReplyTooLarge, status_error, unreachable_cause)
 from trajgen.task import ModelSettings
@@ -80,6 +80,7 @@ class Endpoint:
 
     def __init__(self, settings: ModelSettings, connections: int) -> None:
         self.url = f"{settings.base_url.rstrip('/')}/chat/completions"
+        self.root = settings.base_url.rstrip("/").removesuffix("/v1")  # llama-server's /apply-template, /tokenize
         self.headers = {"Authorization": f"Bearer {settings.api_key}", "Content-Type": "application/json",
                         "Accept": "application/json"}  # streamed too, as the openai SDK sends it
         self.settings = settings
@@ -108,6 +109,8 @@ class Endpoint:
         session, sent = self._open(), time.monotonic()
         try:
             async with asyncio.timeout(self.settings.request_timeout):
+                dialect = self.settings.token_ids
+                prompt_ids = await self._prompt_ids(session, body) if dialect and dialect.prompt_from_tokenize else None
                 async with session.post(self.url, data=body, proxy=self.proxy) as response:
                     head = time.monotonic()
                     if not 200 <= response.status < 300:
@@ -118,7 +121,7 @@ class Endpoint:
                         completion, first_token = await _events(response, pieces, self.settings)
                     else:  # not streamed, or an endpoint that ignores `stream`
                         body = await _read(response, self.settings.max_reply_bytes, pieces=pieces)
-                        completion = parse_completion(body)
+                        completion = parse_completion(body, tokens=dialect is not None)
                         first_token = None
         except aiohttp.ConnectionTimeoutError:
             raise APITimeoutError() from TimeoutError(
@@ -133,8 +136,27 @@ class Endpoint:
             raise APIConnectionError() from e
         end = time.monotonic()
         first_token = first_token or end
+        if prompt_ids is not None and completion.tokens is not None:
+            completion = replace(completion, tokens={**completion.tokens, "prompt_ids": prompt_ids})
         return replace(completion, timing={"first_byte": round(head - sent, 4), "first_token": round(first_token - sent, 4),
                                            "generation": round(end - first_token, 4)})
+
+    async def _prompt_ids(self, session: aiohttp.ClientSession, body: bytes) -> object:
+        """llama-server's ids of this request's prompt, which its reply lacks: the request rendered by
+        its own chat template (/apply-template), tokenized as its completions tokenize it (/tokenize,
+        special tokens added and parsed). Asked first, so that a server without them costs no completion."""
+        prompt = (await self._post(session, "/apply-template", body)).get("prompt")
+        if not isinstance(prompt, str):
+            raise MalformedResponse(f"{self.root}/apply-template sent no prompt: {str(prompt)[:200]}")
+        request = orjson.dumps({"content": prompt, "add_special": True, "parse_special": True})
+        return (await self._post(session, "/tokenize", request)).get("tokens")
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, body: bytes) -> dict:
+        async with session.post(self.root + path, data=body, proxy=self.proxy) as response:
+            if not 200 <= response.status < 300:
+                text = await _read(response, ERROR_BODY_LIMIT, truncate=True)
+                raise status_error(response.status, response.headers, text)
+            return stream.json_object(await _read(response, self.settings.max_reply_bytes), f"{path}'s answer")
 
     async def close(self) -> None:
         if self._session is not None:
@@ -211,7 +233,8 @@ def _undecided(head: bytes) -> bool:
 async def _events(response: aiohttp.ClientResponse, pieces: AsyncIterator[bytes],
                   settings: ModelSettings) -> tuple[Completion, float | None]:
     """A streamed reply assembled (stream.py), and when its first token came."""
-    reader, assembly, size, first_token, resume = stream.EventReader(), stream.Assembly(), 0, None, None
+    collector = token_ids.Collector() if settings.token_ids else None
+    reader, assembly, size, first_token, resume = stream.EventReader(), stream.Assembly(tokens=collector), 0, None, None
     pause = min(BATCH_SECONDS, settings.stall_timeout / 2)  # never long enough to look like a stall
     ending = asyncio.timeout(None)  # once the reply is whole, the end of its body has END_GRACE to come
     try:
@@ -239,8 +262,8 @@ async def _events(response: aiohttp.ClientResponse, pieces: AsyncIterator[bytes]
             resume.cancel()
     if not assembly.ended:  # a clean end after the finish reason: the body's own end, the reply stands
         raise APIConnectionError("the stream ended before the reply did (no [DONE], nor a finish reason)")
-    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider,
-                      assembly.finish_reason), first_token
+    return Completion(assembly.message(), assembly.usage, assembly.model, assembly.provider, assembly.finish_reason,
+                      tokens=collector.found() if collector else None), first_token
 
 
 def _pause_reading(response: aiohttp.ClientResponse, seconds: float) -> asyncio.TimerHandle | None:
@@ -335,6 +358,8 @@ def request_body(settings: ModelSettings, args: dict) -> bytes:
     history in Python on every call, which cost more CPU than the rest of a turn."""
     if settings.stream:  # not part of request_args: the journal's hash does not depend on it
         args |= {"stream": True, "stream_options": {"include_usage": True}}
+    if settings.token_ids:  # nor these: a reply without ids is told apart by its Reply (trajgen/journal.py)
+        args |= settings.token_ids.fields
     return orjson.dumps(args)
 
 
@@ -349,10 +374,11 @@ class Completion:
     provider: object  # OpenRouter's `provider` field, when present
     finish_reason: object = None  # the first choice's, as sent ("length": cut by max_tokens)
     timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
+    tokens: dict | None = None  # with --token_ids: the ids and logprobs as sent, unchecked (token_ids.Collector)
 
 
-def parse_completion(body: bytes | bytearray) -> Completion:
-    """The completion in a 200 body, or the error it carries instead."""
+def parse_completion(body: bytes | bytearray, tokens: bool = False) -> Completion:
+    """The completion in a 200 body, or the error it carries instead; with `tokens`, its ids and logprobs."""
     data = stream.json_object(body, "the reply")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
@@ -360,8 +386,11 @@ def parse_completion(body: bytes | bytearray) -> Completion:
     if not isinstance(choices[0], dict) or not isinstance(choices[0].get("message"), dict):
         raise MalformedResponse(f"the reply's first choice has no message: {str(choices[0])[:200]}")
     message = {k: v for k, v in choices[0]["message"].items() if v is not None}
+    collector = token_ids.Collector() if tokens else None
+    if collector:
+        collector.take(data, choices[0])
     return Completion(message, data.get("usage"), data.get("model"), data.get("provider"),
-                      choices[0].get("finish_reason"))
+                      choices[0].get("finish_reason"), tokens=collector.found() if collector else None)
 
 
 def _retry_after(headers) -> float | None:

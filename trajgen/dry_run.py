@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from rich.markup import escape
 from rich.table import Table
 
-from trajgen import chat_calls, console, errors, trajectory
+from trajgen import chat_calls, console, errors, token_ids, trajectory
 from trajgen.model import UNKNOWN, reply_usage
 from trajgen.plan import Plan
 from trajgen.task import ModelSettings
@@ -56,6 +56,61 @@ async def _probe(settings: ModelSettings, retried: bool) -> Probe:
                      or f"does not answer ({type(e).__name__}: {getattr(e, 'message', e)})")
     finally:
         await endpoint.close()
+
+
+@dataclass(frozen=True)
+class TokenDialect:
+    """What the probe found of the endpoint's token ids: the settings that ask for them, or why not
+    (`status`: 1 when the endpoint does not answer, 2 when it sends no ids), in one line either way."""
+
+    said: str
+    settings: ModelSettings | None = None
+    status: int = 0
+
+
+def token_dialect(settings: ModelSettings) -> TokenDialect:
+    """--token_ids: one tiny request asks in every dialect at once; a second one, in the dialect its
+    reply spoke, goes the way every call of the run will (streamed or not; llama-server's prompt
+    ids from /tokenize) and must bring ids that pass the check every reply gets."""
+    first = probe(replace(settings, token_ids=token_ids.Dialect(token_ids.PROBE), stream=False), retried=True)
+    if first.problem and first.problem.startswith("answered HTTP 400"):  # it refuses the fields that ask for ids
+        return TokenDialect(token_ids.MISSING.format(what=f"it refused the request for them: {first.problem}"),
+                            status=2)
+    if first.problem:
+        return TokenDialect(f"the endpoint does not answer ({first.problem}); no prompt was sent", status=1)
+    kind = token_ids.kind_of(first.reply.tokens)
+    if kind is None:
+        return TokenDialect(token_ids.MISSING.format(what=token_ids.missing(first.reply.tokens)), status=2)
+    dialect = token_ids.Dialect(kind, _version(settings))
+    asking = replace(settings, token_ids=dialect, stream=settings.stream and dialect.streams)
+    second = probe(asking, retried=True)
+    try:
+        if second.problem:
+            raise errors.MalformedResponse(second.problem)
+        token_ids.checked(second.reply.tokens, {})
+    except errors.MalformedResponse as e:
+        return TokenDialect(f"--token_ids: the endpoint speaks {kind}'s dialect but a call asking for ids fails "
+                            f"({e}); use --tokenizer=NAME_OR_PATH instead, or leave --token_ids out", status=2)
+    said = f"--token_ids: the endpoint sends {kind}'s token ids" + (f" (version {dialect.version})"
+                                                                     if dialect.version else "")
+    if settings.stream and not dialect.streams:
+        said += "; SGLang refuses them on streamed calls, so every call of this run goes unstreamed"
+    return TokenDialect(said, asking)
+
+
+def _version(settings: ModelSettings) -> str | None:
+    """The server's version where it tells it: /version (vLLM, SGLang), /props's build_info (llama-server)."""
+    root = settings.base_url.rstrip("/").removesuffix("/v1")
+    for path, key in (("/version", "version"), ("/props", "build_info")):
+        try:
+            request = urllib.request.Request(root + path, headers={"Authorization": f"Bearer {settings.api_key}"})
+            with urllib.request.urlopen(request, timeout=15) as response:
+                found = json.load(response).get(key)
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str) and found:
+            return found[:100]
+    return None
 
 
 def _reasoning(reply: chat_calls.Completion) -> str:

@@ -158,7 +158,7 @@ class JournalModel:
         reply = self.journaled.get((turn, digest))
         if reply is None and self.cache is not None:
             reply = await self._cached(digest)
-        if reply is not None:
+        if reply is not None and (reply.tokens is not None or not self.settings.token_ids):  # no ids: asked again
             self._count(reply)
             return reply
         reply = await self.model.complete(messages, tools, forbid_tools, args)
@@ -195,8 +195,9 @@ def entry(message: Replied) -> dict:
 
 def _record(reply: Reply) -> dict:
     """Everything a reply carries into its row: a replayed reply must render the row a paid one did."""
-    return {"message": reply.message, "usage": reply.usage, "served_by": reply.served_by, "timing": reply.timing,
-            "finish_reason": reply.finish_reason}
+    record = {"message": reply.message, "usage": reply.usage, "served_by": reply.served_by, "timing": reply.timing,
+              "finish_reason": reply.finish_reason}
+    return record if reply.tokens is None else {**record, "tokens": reply.tokens}
 
 
 def replayed(record) -> Reply:
@@ -211,5 +212,9 @@ def replayed(record) -> Reply:
             raise MalformedResponse(f"the stored reply's {name} is not an object: {str(value)[:200]}")
     if not all(type(seconds) in (int, float) for seconds in timing.values()):
         raise MalformedResponse(f"the stored reply's timing is not in seconds: {str(timing)[:200]}")
+    tokens = record.get("tokens")
+    if tokens is not None and not (isinstance(tokens, dict) and isinstance(tokens.get("prompt_ids"), list)
+                                   and isinstance(tokens.get("completion_ids"), list)):
+        raise MalformedResponse(f"the stored reply's tokens are not ids: {str(tokens)[:200]}")
     reply = checked(message, counted(usage) if usage else {})  # a reply without usage replays without it
-    return replace(reply, served_by=served_by, timing=timing, finish_reason=record.get("finish_reason"))
+    return replace(reply, served_by=served_by, timing=timing, finish_reason=record.get("finish_reason"), tokens=tokens)

@@ -44,6 +44,8 @@ class Tally:
     cost: float | None = None
     replies_without_usage: int = 0  # their tokens are unknown, and so are the totals
     stalls: int = 0  # calls abandoned for silence (--stall_timeout) and asked again
+    rows_with_ids: int = 0  # rows with token ids (--token_ids, --tokenizer)
+    drift_turns: int = 0  # their turns whose retokenized ids differ from the server's
     latency: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in LATENCY_KEYS})  # bin -> replies
     side: dict[str, "Tally"] = field(default_factory=dict)  # role -> what its side model paid (trajgen/roles.py)
     episodes: Counter = field(default_factory=Counter)  # a simulated user's episodes by how they ended
@@ -61,6 +63,9 @@ class Tally:
         self.turns_with_reasoning += meta.get("turns_with_reasoning", 0)
         self.api_calls += row.get("api_calls", 0)
         self.add_usage(meta.get("usage") or {})
+        if isinstance(ids := meta.get("token_ids"), dict):
+            self.rows_with_ids += 1
+            self.drift_turns += ids.get("drift_turns", 0)
         for key, values in (meta.get("latency") or {}).items():
             if key in self.latency:
                 self.latency[key].update(map(_bin, values))
@@ -86,7 +91,8 @@ class Tally:
         """Totals of counters only (tools stay per group)."""
         total = Tally()
         for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls",
-                     "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls"):
+                     "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls",
+                     "rows_with_ids", "drift_turns"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total.latency = {k: self.latency[k] + other.latency[k] for k in LATENCY_KEYS}
         total.side = {role: self.side.get(role, Tally()) + other.side.get(role, Tally())
@@ -343,6 +349,8 @@ def statistics(merged: Merged, header: dict) -> dict:
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
         **side_models(everything),
+        **({"token_ids": {"rows_with_ids": everything.rows_with_ids, "drift_turns": everything.drift_turns}}
+           if everything.rows_with_ids else {}),
     }
 
 

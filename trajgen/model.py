@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 
 import orjson
 
-from trajgen import chat_calls
+from trajgen import chat_calls, token_ids
 from trajgen.errors import EmptyAnswer, MalformedResponse
 from trajgen.task import ModelSettings
 
@@ -27,6 +27,7 @@ class Reply:
     served_by: dict = field(default_factory=dict)  # the response's `model`, and `provider` when OpenRouter names one
     timing: dict = field(default_factory=dict)  # seconds to the first byte, to the first token, of generation
     finish_reason: object = None  # as the endpoint sent it ("length": cut by the token limit)
+    tokens: dict | None = None  # with --token_ids or --tokenizer: the call's ids (token_ids.checked, tokenizer.py)
 
 
 class ModelClient(Protocol):
@@ -57,7 +58,9 @@ class OpenAIModel:
         provider = response.provider
         served_by = {"model": response.model, **({"provider": provider} if isinstance(provider, str) else {})}
         reply = checked(response.message, reply_usage(response.usage, self.settings.price_per_mtok))
-        return replace(reply, served_by=served_by, timing=response.timing, finish_reason=response.finish_reason)
+        tokens = token_ids.checked(response.tokens, reply.usage) if self.settings.token_ids else None
+        return replace(reply, served_by=served_by, timing=response.timing, finish_reason=response.finish_reason,
+                       tokens=tokens)
 
 
 def _short(value) -> str:
@@ -191,7 +194,7 @@ class ScriptedModel:
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
-        return replace(checked(reply.message, reply.usage), finish_reason=reply.finish_reason)
+        return replace(checked(reply.message, reply.usage), finish_reason=reply.finish_reason, tokens=reply.tokens)
 
 
 def tool_call(name: str, arguments: str = "{}", call_id: str | None = None) -> dict:

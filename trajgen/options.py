@@ -95,6 +95,8 @@ class RunOptions:
     price_per_mtok: ListFlag = flag(None, "Dollars per million input,output tokens (e.g. 0.15,0.60; one number for both): the cost of every reply whose endpoint reports none (vLLM, OpenAI), so that --max_cost applies.", group="limits")
     cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.", group="resume")
     cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1, group="resume")
+    token_ids: bool = flag(False, "Keep in every gpt turn the token ids and logprobs the server sampled (vLLM, SGLang, llama.cpp's llama-server; see docs/token_ids.md); an endpoint that sends none is refused before any prompt.", resume=True, group="output")
+    tokenizer: str | None = flag(None, "Hugging Face tokenizer (a local path or the local cache; nothing is downloaded) whose chat template retokenizes each request and reply: the ids of an endpoint that sends none, marked retokenized, or beside the server's to count the drift.", resume=True, group="output")
     verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).", group="output")
     output_dir: str = flag("data", "Parent directory of run directories.", group="run")
     max_samples: int | None = flag(None, "Run only the first N valid prompts.", minimum=1, group="run")
@@ -162,7 +164,7 @@ class RunOptions:
             retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
             stream=self.stream, stall_timeout=float(self.stall_timeout), max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
             price_per_mtok=self.prices(), reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
-            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
+            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill, tokenizer=self.tokenizer)
 
     def prices(self) -> tuple[float, float] | None:
         """--price_per_mtok as (input, output) dollars per million tokens: one number prices both."""
@@ -242,11 +244,13 @@ class RunOptions:
         now = self.settings_that_matter()
         if self.model == LOCAL_MODEL:  # it serves on a new port each time: its address is not a setting
             now.pop("base_url", None)
-        return [f"{k}: {manifest.get(k)!r} -> {v!r}" for k, v in now.items() if manifest.get(k) != v]
+        before = {k: manifest.get(k, DEFAULTS.get(k)) for k in now}  # a setting newer than the manifest: its default
+        return [f"{k}: {before[k]!r} -> {v!r}" for k, v in now.items() if before[k] != v]
 
 
 FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(RunOptions)
 TYPES: dict[str, object] = typing.get_type_hints(RunOptions)
+DEFAULTS: dict[str, object] = {f.name: f.default for f in FIELDS}
 PROVENANCE_SETTINGS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.metadata["provenance"])
 
 
@@ -298,6 +302,9 @@ def check(opts: RunOptions) -> None:
         check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
     if not os.path.isfile(opts.dataset_file):
         raise UsageError(f"--dataset_file {opts.dataset_file}: no such file")
+    if opts.tokenizer:  # loaded here, so that one that cannot be stops the run before any request
+        from trajgen import tokenizer
+        tokenizer.load(opts.tokenizer)
 
 
 def signature() -> inspect.Signature:

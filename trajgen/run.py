@@ -108,6 +108,14 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
                 console.error(f"{e}; nothing was sent")
                 return Ran(1)
         missing_images = {} if _on_cluster(opts) else _missing_images(prepared.plan, sandbox)
+        if opts.token_ids:
+            found = dry_run.token_dialect(prepared.model)
+            if found.settings is None:
+                _forget(prepared)
+                console.error(found.said)
+                return Ran(found.status)
+            console.notice(found.said)
+            prepared = replace(prepared, model=found.settings)
         if opts.dry_run:
             return Ran(dry_run.report(prepared.plan, prepared.model, opts.batch_size, len(prepared.scan.done),
                                       opts.max_cost, opts.max_total_tokens))
@@ -122,6 +130,9 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
 def run_local(opts: RunOptions) -> Ran:
     """Serve the small packaged model for the length of the run. It answers one request at a
     time, so more conversations in flight would only queue."""
+    if opts.token_ids:
+        raise UsageError("--token_ids: the packaged local model's server (llama-cpp-python) sends no token ids; "
+                         "retokenize the text instead with --tokenizer=NAME_OR_PATH, or leave --token_ids out")
     local_model.model_path()  # a clear usage error before anything starts
     if opts.concurrency > 1 or opts.num_workers != 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from trajgen.errors import MalformedResponse, NotJSON, ProviderError
+from trajgen.token_ids import Collector
 
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")  # concatenated in order, as the providers send them
 NAMED_STATUS = {"server_error": 500}  # an error object's `code` or `type` that names no number (OpenAI, OpenRouter)
@@ -62,6 +63,7 @@ class Assembly:
     model: object = None
     provider: object = None
     done: bool = False  # `data: [DONE]` arrived
+    tokens: Collector | None = None  # with --token_ids: the ids and logprobs of every chunk
 
     @property
     def ended(self) -> bool:
@@ -90,6 +92,8 @@ class Assembly:
         choices = chunk.get("choices") or []
         if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
             raise MalformedResponse(f"a streamed chunk has choices: {str(choices)[:200]}")
+        if self.tokens is not None:
+            self.tokens.take(chunk, choices[0] if choices else {})
         if not choices:
             return False
         choice = choices[0]

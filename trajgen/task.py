@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trajgen.sandbox.backends import SandboxConfig
+from trajgen.token_ids import Dialect
 from trajgen.tools import ToolSettings, ToolSpec
 
 
@@ -33,6 +34,8 @@ class ModelSettings:
     system_prompt: str = ""
     ephemeral_system_prompt: str = ""  # sent, never written into trajectories
     prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
+    token_ids: Dialect | None = None  # --token_ids: how the server is asked for them, as the probe found it
+    tokenizer: str | None = None  # --tokenizer: retokenize each request and reply with it (trajgen/tokenizer.py)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, roles, simulated_user, verify
+from trajgen import agent, chat_calls, journal, registry, roles, simulated_user, token_ids, tokenizer, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, SideEndpointUnreachable
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -118,13 +118,15 @@ class Worker:
         deadline = asyncio.timeout(self.config.model.prompt_timeout)
         try:
             tools, schemas = self.tools_for(task.toolsets_offered)
-            model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
+            journaled = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
+            model = (token_ids.Retokenizing(journaled, tokenizer.load(self.config.model.tokenizer))
+                     if self.config.model.tokenizer else journaled)
             async with deadline:
                 conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
                                                             schemas, prompt.ctx, self._simulator(task, prompt))
             check = await self._verify(task, conversation, prompt)
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools),
-                                   replayed=model.replayed, stalls=endpoint.stalls, check=check,
+                                   replayed=journaled.replayed, stalls=endpoint.stalls, check=check,
                                    side_usage=roles.side_usage(prompt.side) if prompt.side else None)
             return decide(task, row=row, usage=roles.prompt_usage(row["metadata"]), files=prompt.ctx.files)
         except TimeoutError as e:
