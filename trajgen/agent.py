@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from trajgen import registry, trajectory
+from trajgen import registry, samples, trajectory
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.task import ModelSettings, Task
@@ -139,6 +139,8 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
     }
+    if ids := [turn["tokens"] for turn in turns if "tokens" in turn]:  # --token_ids (trajgen/samples.py)
+        metadata.setdefault("token_ids", {}).update(samples.fields(ids))
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,
