@@ -132,7 +132,8 @@ def _calls(row: dict) -> list[dict]:
 def test_rows_without_token_ids_are_refused_in_one_line(run):
     inline, plain = run
     assert plain.returncode == 2
-    assert "--token_ids" in plain.stderr and "--tokenizer" in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
+    assert "--token_ids" in plain.stderr and "--tokenizer" in plain.stderr
+    assert len(plain.stderr.strip().splitlines()) == 1
     assert not list(inline.run_dir().glob(".export_skyrl*"))  # nothing half-written left behind
 
 
@@ -159,7 +160,8 @@ def test_skyrl_lines_follow_the_server_tokens_position_by_position(run):
         assert line["rollout_logprobs"] == [logprob(t) if t >= MODEL else 0.0 for t in response]
         assert all(t < MODEL for t in line["prompt_token_ids"][-len("<assistant>"):])
         assert line["rewards"] == row.get("reward")
-        last = [c for c in _calls(row) if [*line["prompt_token_ids"], *response] == [*c["prompt_ids"], *c["completion_ids"]]]
+        whole = [*line["prompt_token_ids"], *response]
+        last = [c for c in _calls(row) if whole == [*c["prompt_ids"], *c["completion_ids"]]]
         assert last and line["stop_reasons"] == last[0]["finish_reason"]
         assert line["is_last_step"] == (last[0] is _calls(row)[-1])
     broken = [line for line in lines if line["trajectory_ids"] == {

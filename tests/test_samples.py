@@ -70,8 +70,8 @@ def _qwen3_turns(arguments_written: str) -> list[dict]:
     call_text = f'<tool_call>\n{{"name": "terminal", "arguments": {arguments_written}}}\n</tool_call>'
     messages = [{"role": "user", "content": "list the files"}]
     first = call(_render(messages), _ids(f"<think>\nplan\n</think>\n\n{call_text}{END}"))
-    messages += [{"role": "assistant", "content": "", "reasoning_content": "plan",
-                  "tool_calls": [{"type": "function", "function": {"name": "terminal", "arguments": {"command": "ls"}}}]},
+    terminal = {"type": "function", "function": {"name": "terminal", "arguments": {"command": "ls"}}}
+    messages += [{"role": "assistant", "content": "", "reasoning_content": "plan", "tool_calls": [terminal]},
                  {"role": "tool", "content": "a.txt"}]
     second = call(_render(messages), _ids(f"<think>\ndone\n</think>\n\none file{END}"))
     messages += [{"role": "assistant", "content": "one file", "reasoning_content": "done"},

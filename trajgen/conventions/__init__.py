@@ -6,4 +6,6 @@ trajectory row's structured parts (`message`, `reasoning`, `tools`), never from 
 - sharegpt: LLaMA-Factory's sharegpt convention with its default tags and a `tools` column.
 - hermes: the seed's row format (Hermes text: a `<tools>` system turn, `<tool_call>` in gpt turns).
 - parquet: the hf records with native nested columns.
+- skyrl, atropos, verifiers: token ids for RL trainers, per sample, prompt group or model call
+  (rollouts.py: what they share; docs/rl.md).
 """

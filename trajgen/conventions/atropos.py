@@ -48,6 +48,7 @@ def group_record(rows: list[dict]) -> dict:
 
 
 def next_steps(path: str) -> list[str]:
-    return ["Atropos (docs/rl.md): each line is one ScoredDataGroup, as an environment sends it to the trainer's API:",
-            "  from atroposlib.envs.base import ScoredDataGroup",
-            f"  groups = [ScoredDataGroup(**json.loads(l)) for l in open('{path}')]"]
+    return ["Atropos (docs/rl.md): each line is one ScoredDataGroup; send them to the trainer's API as environments do:",
+            f"  for line in open('{path}'):",
+            "      requests.post('http://localhost:8000/scored_data', json=json.loads(line)).raise_for_status()",
+            "rows nothing judged have null scores, which Atropos refuses: --export_outcome=passed,failed,timeout"]

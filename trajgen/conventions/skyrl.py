@@ -22,7 +22,7 @@ def records(rows: Iterable[dict]) -> Iterator[dict]:
 
 def next_steps(path: str) -> list[str]:
     return ["SkyRL (docs/rl.md): a GeneratorOutput from a batch of lines,",
-            "  from skyrl_train.generators.base import GeneratorOutput, TrajectoryID",
-            f"  lines = [json.loads(l) for l in open('{path}')]",
-            "  output = GeneratorOutput({k: [l[k] for l in lines] for k in lines[0]} | {'rollout_metrics': None,",
-            "      'trajectory_ids': [TrajectoryID(**l['trajectory_ids']) for l in lines]})"]
+            "  from skyrl_train.generators.base import TrajectoryID",
+            f"  lines = [json.loads(line) for line in open('{path}')]",
+            "  output = {key: [line[key] for line in lines] for key in lines[0]} | {'rollout_metrics': None,",
+            "            'trajectory_ids': [TrajectoryID(**line['trajectory_ids']) for line in lines]}"]

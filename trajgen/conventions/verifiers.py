@@ -33,8 +33,9 @@ def message(sent: dict) -> dict:
     """An OpenAI message in verifiers' shape: tool calls flat."""
     if not sent.get("tool_calls"):
         return sent
-    return {**sent, "tool_calls": [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                                   for c in sent["tool_calls"]]}
+    calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in sent["tool_calls"]]
+    return {**sent, "tool_calls": calls}
 
 
 def next_steps(path: str) -> list[str]:
