@@ -209,3 +209,46 @@ def test_verifiers_lines_are_one_step_per_model_call(run):
         assert tokens["completion_logprobs"] == [logprob(t) for t in ids["completion_ids"]]
         assert step["completion"][0]["role"] == "assistant" and step["prompt"][-1]["role"] in ("user", "tool")
         assert step["reward"] == rows[key].get("reward") and not step["is_truncated"]
+
+
+def _row(calls: list[dict], logprobs: bool = True) -> dict:
+    """A row written by hand: one user turn, then a gpt and a tool turn per call."""
+    turns = [{"from": "human", "value": "q", "message": {"role": "user", "content": "q"}}]
+    for n, ids in enumerate(calls):
+        tokens = {**ids, "completion_logprobs": [logprob(t) for t in ids["completion_ids"]] if logprobs else None,
+                  "finish_reason": "stop", "prompt_source": "server" if logprobs else "retokenized"}
+        turns += [{"from": "gpt", "value": "", "message": {"role": "assistant", "content": f"a{n}"}, "tokens": tokens},
+                  {"from": "tool", "value": "", "message": {"role": "tool", "tool_call_id": f"c{n}", "content": "r"}}]
+    return {"prompt_index": 7, "conversations": turns[:-1], "tools": [],
+            "metadata": {"prompt_key": "k", "group_id": "k", "sample_index": 0,
+                         "token_ids": samples.fields([t["tokens"] for t in turns if "tokens" in t])}}
+
+
+CALLS = [{"prompt_ids": [1, 2], "completion_ids": [MODEL + 3]},
+         {"prompt_ids": [1, 2, MODEL + 3, 4], "completion_ids": [MODEL + 5, MODEL + 6]}]
+
+
+def test_retokenized_rows_export_their_positions_without_logprobs():
+    from trajgen.conventions import atropos, skyrl
+
+    row = _row(CALLS, logprobs=False)
+    [line] = skyrl.records([row])
+    assert (line["response_ids"], line["loss_masks"]) == ([MODEL + 3, 4, MODEL + 5, MODEL + 6], [1, 0, 1, 1])
+    assert line["rollout_logprobs"] is None and line["rewards"] is None  # nothing judged it
+    [group] = atropos.records([row])
+    assert group["inference_logprobs"] is None
+    assert group["masks"] == [[-100, -100, MODEL + 3, -100, MODEL + 5, MODEL + 6]]
+
+
+@pytest.mark.parametrize("samples_field", [
+    [{"first_turn": 0, "last_turn": 1}, {"first_turn": 2, "last_turn": 2}],  # a turn the row does not have
+    [{"first_turn": 0, "last_turn": 1}],  # over ids that do not extend: an edited row
+])
+def test_a_row_whose_samples_disagree_with_its_ids_is_refused_not_shifted(samples_field):
+    from trajgen.conventions import skyrl
+    from trajgen.errors import UsageError
+
+    row = _row([CALLS[0], {**CALLS[1], "prompt_ids": [1, 9, MODEL + 3, 4]}] if len(samples_field) == 1 else CALLS)
+    row["metadata"]["token_ids"]["samples"] = samples_field
+    with pytest.raises(UsageError, match=r"prompt 7: metadata.token_ids.samples\[\d\] disagrees"):
+        list(skyrl.records([row]))

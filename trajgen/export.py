@@ -29,7 +29,7 @@ from trajgen.trajectory import FORMAT_VERSION
 ROLLOUTS = {"skyrl": skyrl, "atropos": atropos, "verifiers": verifiers}  # token ids for RL trainers (docs/rl.md)
 CONVENTIONS = {"hf": hf, "openai": openai, "sharegpt": sharegpt, "hermes": hermes, "parquet": parquet, **ROLLOUTS}
 FORMATS = tuple(CONVENTIONS)
-TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt", "prime-rl": "verifiers"}  # the format each trainer reads (docs/exports.md)
+TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt", "prime_rl": "verifiers"}  # the format each trainer reads (docs/exports.md)
 VERDICTS = tuple(v.value for v in verify.Verdict)
 TRAJECTORIES = "trajectories.jsonl"
 

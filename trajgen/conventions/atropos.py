@@ -48,7 +48,7 @@ def group_record(rows: list[dict]) -> dict:
 
 
 def next_steps(path: str) -> list[str]:
-    return ["Atropos (docs/rl.md): each line is one ScoredDataGroup; send them to the trainer's API as environments do:",
+    return ["Atropos (docs/rl.md): each line is one ScoredDataGroup; send them to the trainer's API as environments do",
             f"  for line in open('{path}'):",
             "      requests.post('http://localhost:8000/scored_data', json=json.loads(line)).raise_for_status()",
             "rows nothing judged have null scores, which Atropos refuses: --export_outcome=passed,failed,timeout"]

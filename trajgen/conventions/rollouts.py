@@ -55,6 +55,8 @@ def sequences(row: dict) -> list[Sequence]:
     out = []
     for n, sample in enumerate(samples):
         chosen = every[sample["first_turn"]:sample["last_turn"] + 1]
+        if not chosen:
+            raise _disagrees(row, n)
         prompt = chosen[0].tokens["prompt_ids"]
         whole = [*chosen[-1].tokens["prompt_ids"], *chosen[-1].tokens["completion_ids"]]
         trained = [False] * (len(whole) - len(prompt))
@@ -63,13 +65,17 @@ def sequences(row: dict) -> list[Sequence]:
         for call in chosen:
             ids, at = call.tokens["completion_ids"], len(call.tokens["prompt_ids"])
             if call.tokens["prompt_ids"] != whole[:at] or whole[at:at + len(ids)] != ids:
-                raise UsageError(f"prompt {row['prompt_index']}: sample {n} does not extend its first prompt "
-                                 "token by token (metadata.token_ids.samples disagrees with the ids)")
+                raise _disagrees(row, n)
             trained[at - len(prompt):at - len(prompt) + len(ids)] = [True] * len(ids)
             if logprobs is not None:
                 logprobs[at - len(prompt):at - len(prompt) + len(ids)] = call.tokens["completion_logprobs"]
         out.append(Sequence(prompt, whole[len(prompt):], trained, logprobs, chosen, n == len(samples) - 1))
     return out
+
+
+def _disagrees(row: dict, n: int) -> UsageError:
+    return UsageError(f"prompt {row['prompt_index']}: metadata.token_ids.samples[{n}] disagrees with the row's ids "
+                      "(the row was edited?): it is not exported shifted")
 
 
 def reward(row: dict) -> float | None:
