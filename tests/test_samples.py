@@ -44,6 +44,12 @@ def test_an_earlier_completion_rendered_differently_names_that_completion():
     assert split(turns) == ([Sample(0, 1), Sample(2, 2)], [Break(2, Cause.REASONING_DROPPED)])
 
 
+def test_a_think_block_of_the_generation_prompt_dropped_before_an_intact_completion_is_reasoning():
+    """An empty think block (8, 9) at the end of the prompt, left out when the reply is rendered again."""
+    turns = [call([1, 2, 8, 9], [3, 4]), call([1, 2, 3, 4, 7], [5])]
+    assert split(turns) == ([Sample(0, 0), Sample(1, 1)], [Break(1, Cause.REASONING_DROPPED)])
+
+
 def test_a_compaction_always_starts_a_sample():
     turns = [call([1], [2]), call([1, 2, 3], [4]), call([1, 2, 3, 4, 5], [6])]
     assert split(turns, compactions={2}) == ([Sample(0, 1), Sample(2, 2)], [Break(2, Cause.COMPACTED)])
@@ -52,11 +58,11 @@ def test_a_compaction_always_starts_a_sample():
                                               "breaks": [{"turn": 2, "cause": "compacted"}]}
 
 
-def _render(messages: list[dict]) -> list[int]:
+def _render(messages: list[dict], **options) -> list[int]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(conversations=[messages], tools=None, chat_template=TEMPLATE.read_text(),
-                                        add_generation_prompt=True)
+                                        add_generation_prompt=True, **options)
     return [ord(c) for c in rendered[0]]
 
 
@@ -83,6 +89,19 @@ def test_qwen3_dropping_earlier_reasoning_after_a_user_turn_is_a_reasoning_break
     pytest.importorskip("transformers")
     assert split(_qwen3_turns('{"command": "ls"}')) == ([Sample(0, 1), Sample(2, 2)],
                                                         [Break(2, Cause.REASONING_DROPPED)])
+
+
+def test_qwen3_without_thinking_drops_the_empty_think_block_it_prompted_with():
+    """With enable_thinking=False the generation prompt ends in an empty think block, which the
+    template leaves out when it renders the reply again: every tool call breaks the sample."""
+    pytest.importorskip("transformers")
+    terminal = {"type": "function", "function": {"name": "terminal", "arguments": {"command": "ls"}}}
+    messages = [{"role": "user", "content": "list the files"}]
+    first = call(_render(messages, enable_thinking=False),
+                 _ids(f'<tool_call>\n{{"name": "terminal", "arguments": {{"command": "ls"}}}}\n</tool_call>{END}'))
+    messages += [{"role": "assistant", "content": "", "tool_calls": [terminal]}, {"role": "tool", "content": "a.txt"}]
+    second = call(_render(messages, enable_thinking=False), _ids(f"one file{END}"))
+    assert split([first, second]) == ([Sample(0, 0), Sample(1, 1)], [Break(1, Cause.REASONING_DROPPED)])
 
 
 def test_a_call_the_template_writes_with_other_spacing_is_a_rerendered_call():

@@ -9,8 +9,8 @@ The cause of a break is read from the first position where the new prompt differ
 sequence so far:
 - it falls in an earlier completion, or just before it, and the prompt then resumes with that
   completion's remaining tokens: a leading part (or the empty think block the template had put just
-  before it) was dropped (`reasoning_dropped`, e.g. Qwen3's
-  template leaving out the `<think>` block of earlier turns);
+  before it) was dropped (`reasoning_dropped`, e.g. Qwen3's template leaving out the `<think>`
+  block of earlier turns);
 - it falls in an earlier completion and nothing of it resumes: the message was parsed and rendered
   again differently (`call_rerendered`, e.g. tool-call arguments with other spacing);
 - anywhere else (the system prompt, a user turn, a tool result), or the prompt is the sequence cut
