@@ -17,6 +17,12 @@ from trajgen.errors import MalformedResponse, UsageError
 CALL = {"id": "c1", "type": "function", "function": {"name": "terminal", "arguments": '{"command": "echo hi"}'}}
 TWO_TURNS = [{"content": "", "tool_calls": [CALL], "reasoning_content": "a tool"},
              {"content": "done", "reasoning_content": "it said hi"}]
+# the scripted servers render the tool call's turn in the next prompt otherwise than it was generated:
+# the conversation is two training samples (trajgen/samples.py)
+TWO_SAMPLES = {"samples": [{"first_turn": 0, "last_turn": 0}, {"first_turn": 1, "last_turn": 1}],
+               "breaks": [{"turn": 1, "cause": "call_rerendered"}]}
+TWO_SAMPLES_COUNTED = {"samples": {"rows": 1, "total": 2, "mean_per_row": 2.0, "max_per_row": 2},
+                       "breaks": {"reasoning_dropped": 0, "call_rerendered": 1, "context_changed": 0, "compacted": 0}}
 
 
 @pytest.fixture
@@ -66,12 +72,12 @@ def test_each_turn_keeps_exactly_the_ids_and_logprobs_its_server_sent(inline, to
                           "sampling": {"temperature": None, "top_p": None, "max_tokens": None}}
     version = token_servers.BUILD_INFO if kind == "llama.cpp" else token_servers.VERSIONS[kind]
     assert row["metadata"]["token_ids"] == {"server": {"kind": kind, "version": version}, "tokenizer": None,
-                                            "logprob_mode": "server", "drift_turns": 0}
+                                            "logprob_mode": "server", "drift_turns": 0, **TWO_SAMPLES}
     assert all(c.get("stream", False) is (stream and kind != "sglang") for c in calls)
     said = [line for line in done.stderr.splitlines() if "--token_ids" in line]
     assert len(said) == 1 and kind in said[0] and (("unstreamed" in said[0]) is (kind == "sglang"))
     statistics = json.loads((inline.run_dir() / "statistics.json").read_text())
-    assert statistics["token_ids"] == {"rows_with_ids": 1, "drift_turns": 0}
+    assert statistics["token_ids"] == {"rows_with_ids": 1, "drift_turns": 0, **TWO_SAMPLES_COUNTED}
 
 
 def test_an_endpoint_without_ids_is_refused_before_any_prompt_naming_the_way_out(inline, token_server):
@@ -231,7 +237,7 @@ def test_with_server_ids_and_a_tokenizer_both_are_kept_and_the_drift_counted(inl
     # completion, then the next prompt that holds it); a plain answer's prompt does not
     assert row["metadata"]["token_ids"]["drift_turns"] == 2
     assert json.loads((inline.run_dir() / "statistics.json").read_text())["token_ids"] == {
-        "rows_with_ids": 1, "drift_turns": 2}
+        "rows_with_ids": 1, "drift_turns": 2, **TWO_SAMPLES_COUNTED}
     plain_row = read_jsonl(inline.run_dir("plain") / "trajectories.jsonl")[0]
     only = _gpt_tokens(plain_row)[0]
     assert only["retokenized"]["prompt_ids"] == only["prompt_ids"]

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from trajgen import registry, token_ids, tokenizer, trajectory, verify
+from trajgen import registry, samples, token_ids, tokenizer, trajectory, verify
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.simulated_user import FollowUp, Simulator
 from trajgen.tools import ToolContext, ToolSpec
@@ -184,6 +184,8 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
     if with_ids:
         tok = tokenizer.load(settings.tokenizer) if settings.tokenizer else None
         metadata["token_ids"] = token_ids.row_metadata(settings.token_ids, tok, turn_ids)
+    if ids := [turn["tokens"] for turn in turns if "tokens" in turn]:  # --token_ids (trajgen/samples.py)
+        metadata.setdefault("token_ids", {}).update(samples.fields(ids))
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,

@@ -22,15 +22,16 @@ import jsonlines
 import orjson
 
 from trajgen import store, verify
-from trajgen.conventions import NotCarried, hermes, hf, openai, parquet, sharegpt
+from trajgen.conventions import NotCarried, atropos, hermes, hf, openai, parquet, sharegpt, skyrl, verifiers
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
 from trajgen.suggest import did_you_mean
 from trajgen.trajectory import FORMAT_VERSION
 
-CONVENTIONS = {"hf": hf, "openai": openai, "sharegpt": sharegpt, "hermes": hermes, "parquet": parquet}
+ROLLOUTS = {"skyrl": skyrl, "atropos": atropos, "verifiers": verifiers}  # token ids for RL trainers (docs/rl.md)
+CONVENTIONS = {"hf": hf, "openai": openai, "sharegpt": sharegpt, "hermes": hermes, "parquet": parquet, **ROLLOUTS}
 FORMATS = tuple(CONVENTIONS)
-TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt"}  # the format each trainer reads (docs/exports.md)
+TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt", "prime_rl": "verifiers"}  # the format each trainer reads (docs/exports.md)
 VERDICTS = tuple(v.value for v in verify.Verdict)
 TRAJECTORIES = "trajectories.jsonl"
 OURS = ("completed", "partial", "verify", "reward", "provenance")  # the keys a record adds to its convention's
@@ -91,20 +92,28 @@ def _rows(run_dir: Path) -> Iterator[dict]:
 
 def _records(run_dir: Path, fmt: str, selected: frozenset[str] | None, partial: bool, left_out: Counter) -> Iterator[dict]:
     """The records of the rows chosen; `left_out` counts the rows skipped: "partial", or a NotCarried."""
+    if fmt in ROLLOUTS:  # lines per sample, prompt group or call: the trainer's own fields
+        yield from ROLLOUTS[fmt].records(_chosen(run_dir, selected, partial, left_out))
+        return
     manifest = store.read_json(run_dir / "manifest.json")
     convention = hf if fmt == "parquet" else CONVENTIONS[fmt]
-    for row in _rows(run_dir):
-        if selected is not None and verify.status(row) not in selected:
-            continue
-        if row["partial"] and not partial:
-            left_out["partial"] += 1
-            continue
+    for row in _chosen(run_dir, selected, partial, left_out):
         made = convention.record(row)
         if isinstance(made, NotCarried):
             left_out[made] += 1
             continue
         yield {**made, "completed": row["completed"], "partial": row["partial"],
                **outcome(row), "provenance": provenance(row, manifest)}
+
+
+def _chosen(run_dir: Path, selected: frozenset[str] | None, partial: bool, left_out: Counter) -> Iterator[dict]:
+    for row in _rows(run_dir):
+        if selected is not None and verify.status(row) not in selected:
+            continue
+        if row["partial"] and not partial:
+            left_out["partial"] += 1
+            continue
+        yield row
 
 
 def export(run_dir: Path, fmt: str, selected: frozenset[str] | None = None, partial: bool = False) -> Exported:

@@ -21,10 +21,11 @@ import orjson
 
 from trajgen import store, verify
 from trajgen.model import UNKNOWN
+from trajgen.samples import Cause
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
 from trajgen.verify import Verdict
 
-COUNTS_VERSION = 3  # of what statistics() counts: a change makes every run directory merge again
+COUNTS_VERSION = 4  # of what statistics() counts: a change makes every run directory merge again
 STATISTICS = "statistics.json"
 TRAJECTORIES = "trajectories.jsonl"
 
@@ -163,12 +164,37 @@ def _ratio(part: int, whole: int) -> float | None:
 
 
 @dataclass
+class Samples:
+    """Training samples per row and breaks by cause (trajgen/samples.py), over the kept rows with token ids."""
+
+    rows: int = 0
+    samples: int = 0
+    most: int = 0
+    breaks: Counter = field(default_factory=Counter)
+
+    def add(self, row: dict) -> None:
+        ids = (row.get("metadata") or {}).get("token_ids") or {}
+        if "samples" not in ids:
+            return
+        self.rows += 1
+        self.samples += len(ids["samples"])
+        self.most = max(self.most, len(ids["samples"]))
+        self.breaks.update(b["cause"] for b in ids["breaks"])
+
+    def statistics(self) -> dict:
+        return {"samples": {"rows": self.rows, "total": self.samples, "mean_per_row": _ratio(self.samples, self.rows),
+                            "max_per_row": self.most},
+                "breaks": {cause.value: self.breaks[cause.value] for cause in Cause}}
+
+
+@dataclass
 class Merged:
     kept: Tally = field(default_factory=Tally)
     hallucinated: Tally = field(default_factory=Tally)
     no_reasoning: Tally = field(default_factory=Tally)  # filtered by --require_reasoning
     not_passed: Tally = field(default_factory=Tally)  # filtered by --require_verified
     verification: Verification = field(default_factory=Verification)
+    samples: Samples = field(default_factory=Samples)  # of the kept rows
     discarded: Tally = field(default_factory=Tally)
     discarded_by_reason: Counter = field(default_factory=Counter)
     failed_by_class: Counter = field(default_factory=Counter)
@@ -227,6 +253,7 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
                                                 verify.status(row) == Verdict.PASSED.value)
                         getattr(result, where).add(row)
                         if where == "kept":
+                            result.samples.add(row)
                             out.write(line)  # as the batch file holds it
                 out.flush()
                 os.fsync(out.fileno())
@@ -349,8 +376,8 @@ def statistics(merged: Merged, header: dict) -> dict:
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
         **side_models(everything),
-        **({"token_ids": {"rows_with_ids": everything.rows_with_ids, "drift_turns": everything.drift_turns}}
-           if everything.rows_with_ids else {}),
+        **({"token_ids": {"rows_with_ids": everything.rows_with_ids, "drift_turns": everything.drift_turns,
+                          **merged.samples.statistics()}} if everything.rows_with_ids else {}),
     }
 
 

@@ -80,7 +80,7 @@ class RunOptions:
     force: bool = flag(False, "With --resume, accept a changed model, distribution or sampling settings.", group="resume")
     list_distributions: bool = flag(False, "Print the toolset distributions and exit.", group="tools")
     list_tools: bool = flag(False, "Print every toolset's tools and whether each can run here (under --terminal_backend; why not and what to do), and exit.", group="tools")
-    export: str | None = flag(None, "Export a finished run (--run_name) for a trainer, and exit: hf (TRL, axolotl), sharegpt (LLaMA-Factory), openai (OpenAI fine-tuning), hermes (the seed's Hermes text) or parquet (hf records); see docs/exports.md.", group="output")
+    export: str | None = flag(None, "Export a finished run (--run_name) for a trainer, and exit: hf (TRL, axolotl), sharegpt (LLaMA-Factory), openai (OpenAI fine-tuning), hermes (the seed's Hermes text), parquet (hf records), or with token ids skyrl, atropos, verifiers (prime-rl); see docs/exports.md and docs/rl.md.", group="output")
     export_partial: bool = flag(False, "With --export: include partial rows (ended by the forced final-answer call), left out by default.", group="output")
     export_outcome: ListFlag = flag(None, "With --export: only rows whose verify status is one of these (comma list of passed, failed, error, timeout, unverified).", group="output")
     view: bool = flag(False, "Serve a browser viewer of a run (--run_name) on 127.0.0.1 until Ctrl-C.", group="output")

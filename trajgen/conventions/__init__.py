@@ -6,6 +6,8 @@ trajectory row's structured parts (`message`, `reasoning`, `tools`), never from 
 - sharegpt: LLaMA-Factory's sharegpt convention with its default tags and a `tools` column.
 - hermes: the seed's row format (Hermes text: a `<tools>` system turn, `<tool_call>` in gpt turns).
 - parquet: the hf records with native nested columns.
+- skyrl, atropos, verifiers: token ids for RL trainers, per sample, prompt group or model call
+  (rollouts.py: what they share; docs/rl.md).
 
 A convention's `record` returns `NotCarried` for a row it cannot carry whole; `companions` (where
 defined) are the files its trainer needs beside the export (trainers/: the TRL script and template).
