@@ -30,7 +30,7 @@ out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
-SECRET_FLAGS = ("--api_key", "--vision_api_key")
+SECRET_FLAGS = ("--api_key", "--vision_api_key", "--judge_api_key")
 KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
 
 
@@ -61,7 +61,7 @@ def resume_command() -> str:
     if not dropped:
         return command
     ways = [f"set {KEY_VARIABLES} or give --api_key again"] if "--api_key" in dropped else []
-    ways += ["give --vision_api_key again"] if "--vision_api_key" in dropped else []
+    ways += [f"give {name} again" for name in ("--vision_api_key", "--judge_api_key") if name in dropped]
     return f"{command}  # without the key: {'; '.join(ways)}"
 
 
@@ -210,6 +210,30 @@ def verification_rows(stats: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def reward_rows(stats: dict) -> list[tuple[str, str]]:
+    """Rewards, groups and the judge (its spend and its agreement with the checks), from statistics.json;
+    none for a run without rewards."""
+    r, j = stats.get("rewards") or {}, stats.get("judge") or {}
+    rows = []
+    if r.get("samples_rewarded"):
+        rows.append(("mean reward", f"{r['mean_reward']:.4f} over {r['samples_rewarded']} samples"))
+    if r.get("groups"):
+        rows.append(("groups with zero spread (no signal)",
+                     f"{r['groups_zero_spread']} of {r['groups']} ({_rate(r['zero_spread_share'])})"))
+    if j.get("calls") or j.get("rows_judged") or j.get("errors"):
+        cost = "n/a" if j["cost"] is None else f"${j['cost']:.4f}"
+        per_row = "" if j["cost_per_row"] is None else f", ${j['cost_per_row']:.6f} a row"
+        rows += [("judge", f"{j['rows_judged']} rows judged, {j['errors']} errors, {j['calls']} calls"),
+                 ("judge tokens / cost", f"{tokens(j['tokens'])}; {cost}{per_row}")]
+    if agreement := j.get("agreement"):
+        kappa = "n/a" if agreement["kappa"] is None else f"{agreement['kappa']:.3f}"
+        rows.append(("judge vs checks (pass/pass, pass/fail, fail/pass, fail/fail)",
+                     f"{agreement['check_passed_judge_passed']}, {agreement['check_passed_judge_failed']}, "
+                     f"{agreement['check_failed_judge_passed']}, {agreement['check_failed_judge_failed']}; "
+                     f"kappa {kappa}"))
+    return rows
+
+
 def summary(stats: dict) -> None:
     """The same numbers as statistics.json, as tables."""
     overview = Table(title=f"Run {stats['run_name']}: {stats['model']}", show_header=False)
@@ -226,9 +250,9 @@ def summary(stats: dict) -> None:
             tools.add_row(name, str(s["count"]), str(s["success"]), str(s["failure"]), _rate(s["success_rate"]))
     if tools.row_count:
         out.print(tools)
-    checks = verification_rows(stats)
+    checks = verification_rows(stats) + reward_rows(stats)
     if checks:
-        table = Table(title="Verification (every finished sample)", show_header=False)
+        table = Table(title="Verification and rewards (every finished sample)", show_header=False)
         table.add_column(style="bold")
         table.add_column(justify="right")
         for name, value in checks:

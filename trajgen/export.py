@@ -1,9 +1,9 @@
 """--export: a finished run's rows as one trainer convention (trajgen/conventions/), streamed from
 trajectories.jsonl into a file beside it, written atomically.
 
-Every record carries `completed` and `partial`, its verify outcome and a `reward`
-(trajgen/verify.py REWARD: 1 passed, 0 failed or timed out, null when nothing was judged), and
-`provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
+Every record carries `completed` and `partial`, its verify outcome, its `reward` (trajgen/rewards.py:
+by default the check's, 1 passed, 0 failed or timed out, a graded check's number, null when nothing
+was judged), its `judge` and `group` where it has them, and `provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
 final-answer call) are left out unless `--export_partial`. After writing, the export says which
 trainer takes the file and how, and what in the run directory makes it incomplete or stale.
 """
@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 import jsonlines
 import orjson
 
-from trajgen import store, verify
+from trajgen import rewards, store, verify
 from trajgen.conventions import hermes, hf, openai, parquet, sharegpt
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
@@ -58,9 +58,11 @@ def check_format(fmt: str | None) -> None:
 
 
 def outcome(row: dict) -> dict:
-    """The row's verify object (an unverified one for rows written before verification) and its reward."""
+    """The row's verify object (an unverified one for rows written before verification), its reward
+    (trajgen/rewards.py), and its judgement and group where it has them."""
     check = row.get("verify") or verify.UNVERIFIED.as_row()
-    return {"verify": check, "reward": verify.REWARD.get(verify.Verdict(check["status"]))}
+    return {"verify": check, "reward": rewards.reward_of(row),
+            **{name: row[name] for name in ("judge", "judge_error", "group") if row.get(name) is not None}}
 
 
 def provenance(row: dict, manifest: dict) -> dict:

@@ -19,12 +19,12 @@ from typing import Iterable
 
 import orjson
 
-from trajgen import store, verify
+from trajgen import rewards, store, verify
 from trajgen.model import UNKNOWN
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
 from trajgen.verify import Verdict
 
-COUNTS_VERSION = 3  # of what statistics() counts: a change makes every run directory merge again
+COUNTS_VERSION = 4  # of what statistics() counts: a change makes every run directory merge again
 STATISTICS = "statistics.json"
 TRAJECTORIES = "trajectories.jsonl"
 
@@ -149,6 +149,8 @@ class Merged:
     no_reasoning: Tally = field(default_factory=Tally)  # filtered by --require_reasoning
     not_passed: Tally = field(default_factory=Tally)  # filtered by --require_verified
     verification: Verification = field(default_factory=Verification)
+    rewards: rewards.Rewards = field(default_factory=rewards.Rewards)  # of the rows of the batch files
+    judge: Tally = field(default_factory=Tally)  # the judge's usage (metadata.side_usage.judge)
     discarded: Tally = field(default_factory=Tally)
     discarded_by_reason: Counter = field(default_factory=Counter)
     failed_by_class: Counter = field(default_factory=Counter)
@@ -166,6 +168,7 @@ class Filtering:
     keep_hallucinated: bool = False
     require_reasoning: bool = False
     require_verified: bool = False
+    groups: bool = False  # not a filter: each kept row gets its group's statistics (--samples_per_prompt > 1)
 
     def group(self, hallucinated: bool, reasoned: bool, passed: bool) -> str:
         """Where the merge puts a row (a field of Merged): kept, or filtered as `hallucinated`,
@@ -189,6 +192,7 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
     latest = _latest_failures(run_dir, result)
     first = _FirstTime(chain(store.row_keys(run_dir, []),
                              (r.get("prompt_key") for r in store.read_records(run_dir / store.DISCARDED, []))))
+    groups = _group_rewards(run_dir) if filtering.groups else None
     with store.writing(run_dir / TRAJECTORIES):  # a full disk: DiskFull, the batch files intact
         fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
         try:
@@ -203,10 +207,14 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
                             continue
                         latest.pop(key, None)
                         result.verification.add(row)
+                        result.rewards.add(row, result.judge)
                         where = filtering.group(bool(row["metadata"].get("hallucinated_tools")), reasoned(row),
                                                 verify.status(row) == Verdict.PASSED.value)
                         getattr(result, where).add(row)
-                        if where == "kept":
+                        if where == "kept" and groups is not None:
+                            group = rewards.group(groups.get(rewards.group_id(row), []), rewards.reward_of(row))
+                            out.write(store.encode_row({**row, "group": group}) + b"\n")
+                        elif where == "kept":
                             out.write(line)  # as the batch file holds it
                 out.flush()
                 os.fsync(out.fileno())
@@ -224,6 +232,17 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
         result.verification.add(record.get("row") or {})
     result.failed_by_class.update(latest.values())  # the prompts with no row and no discard
     return result
+
+
+def _group_rewards(run_dir: Path) -> dict[str, list[float]]:
+    """Every group's rewards, over the rows of the batch files (each key's first row, as the merge reads them)."""
+    found = rewards.Rewards()
+    first = _FirstTime(store.row_keys(run_dir, []))
+    for _, path in store.batch_files(run_dir):
+        for row in store.read_records(path, []):
+            if (key := store.row_key(row)) is not None and first(key):
+                found.add(row, Tally())
+    return found.groups
 
 
 def _latest_failures(run_dir: Path, result: Merged) -> dict[str, str]:
@@ -307,6 +326,7 @@ def statistics(merged: Merged, header: dict) -> dict:
         "filtered_no_reasoning": merged.no_reasoning.rows,
         "filtered_not_passed": merged.not_passed.rows,
         "verification": merged.verification.statistics(),
+        **merged.rewards.statistics(merged.judge, _tokens(merged.judge), dollars(merged.judge.cost)),
         "total_batches": merged.batch_files,
         "tool_statistics": merged.kept.tool_statistics(),
         "filtered_tool_statistics": {

@@ -19,6 +19,9 @@ def main(opts: RunOptions) -> int:
         return 0
     if opts.export:
         return run.run_export(opts)
+    if opts.rescore:
+        from trajgen import rescore
+        return rescore.run(opts)
     if opts.compare:
         from trajgen import compare_command
         return compare_command.run(opts)

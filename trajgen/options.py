@@ -42,6 +42,7 @@ GROUPS: dict[str, str] = {
     "output": "Output, exports and the viewer",
     "scale": "Scale",
     "sampling": "Verification and sampling",
+    "rewards": "Rewards and the judge",
 }
 
 
@@ -141,6 +142,13 @@ class RunOptions:
     docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of a uid of their own per prompt.", group="tools")
     apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).", group="tools")
     modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).", group="tools")
+    judge_model: str | None = flag(None, "Score every sample with this model as a judge, against --rubric (or a dataset row's rubric field); see docs/rewards.md.", resume=True, group="rewards")
+    judge_base_url: str | None = flag(None, "OpenAI-compatible endpoint of the judge (default: --base_url).", group="rewards")
+    judge_api_key: str | None = flag(None, "Key for the judge's endpoint (default: the run's key).", group="rewards")
+    rubric: str | None = flag(None, "What the judge scores against: the text, or @FILE for a file's; a dataset row's rubric field overrides it.", resume=True, group="rewards")
+    judge_mode: str = flag("sample", "sample: the judge scores each sample after its check; group: all the samples of a prompt at once, compared, once they have all finished (ART's RULER).", group="rewards")
+    reward_from: str = flag("verify", "Which signal is a row's reward: verify (the check's; the judge's where a row has no check), judge, min or mean (of both; null unless both exist).", group="rewards")
+    rescore: bool = flag(False, "Score every row of a finished run (--run_name) again with the judge and rubric flags, sending no rollout request, and exit; resumable.", group="rewards")
     modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1, group="tools")
 
     @property
@@ -246,8 +254,35 @@ def as_list(value) -> list[str]:
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 
+def check_judge(opts: RunOptions) -> None:
+    """The judge's and the reward's flags, on their own (the rubric file is read here)."""
+    from trajgen import judge, rewards  # the judge's modules only for these flags
+    if opts.reward_from not in rewards.REWARD_FROM:
+        raise UsageError(f"--reward_from must be one of {', '.join(rewards.REWARD_FROM)}, got {opts.reward_from!r}")
+    if opts.judge_mode not in ("sample", "group"):
+        raise UsageError(f"--judge_mode must be sample or group, got {opts.judge_mode!r}")
+    if not opts.judge_model:
+        for name in ("judge_base_url", "judge_api_key", "rubric"):
+            if getattr(opts, name):
+                raise UsageError(f"--{name} goes with --judge_model (the judge's model); pass it too")
+        if opts.reward_from != "verify" or opts.judge_mode != "sample":
+            raise UsageError(f"--reward_from={opts.reward_from} --judge_mode={opts.judge_mode} need a judge: "
+                             "pass --judge_model and --rubric")
+    check_urls(opts, ("judge_base_url",))
+    judge.load_rubric(opts.rubric)
+
+
+def check_urls(opts: RunOptions, names: tuple[str, ...]) -> None:
+    for name in names:
+        url = getattr(opts, name)
+        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
+                                or not urllib.parse.urlsplit(url).hostname):
+            raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+
+
 def check(opts: RunOptions) -> None:
     """Every check of the flags on their own, before a file is read or a request sent."""
+    check_judge(opts)
     if not opts.dataset_file:
         raise UsageError("--dataset_file is required")
     if opts.run_name is None or opts.run_name.strip() in ("", ".", ".."):
@@ -260,11 +295,7 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    for name in ("base_url", "vision_base_url"):
-        url = getattr(opts, name)
-        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
-                                or not urllib.parse.urlsplit(url).hostname):
-            raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+    check_urls(opts, ("base_url", "vision_base_url"))
     if opts.compare_out:
         raise UsageError("--compare_out goes with --compare (--models writes its comparison into <output_dir>/<run_name>/)")
     if opts.export_outcome and not opts.export:

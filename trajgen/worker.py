@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, roles, verify
+from trajgen import agent, chat_calls, journal, judge, registry, rewards, roles, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -124,6 +124,9 @@ class Worker:
             row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
             row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
             row["verify"] = (await self._verify(task, conversation, prompt)).as_row()
+            if (judging := self.config.judge) is not None:
+                row.update(await judge.judge(self.side_model(prompt, "judge", judging.settings), judging, row))
+            row["reward"] = rewards.chosen(row, self.config.reward_from)
             if prompt.side:
                 row["metadata"]["side_usage"] = roles.side_usage(prompt.side)
             return decide(task, row=row, usage=roles.prompt_usage(row["metadata"]), files=prompt.ctx.files)
