@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import read_jsonl, think, write_jsonl
+from tests.conftest import kill_group, read_jsonl, think, write_jsonl
+from tests.test_hardening import _wait_for
 from tests.test_verify import answer
 from trajgen import judge, rewards
 from trajgen.model import Reply
@@ -241,3 +242,33 @@ def test_rescore_pays_only_for_the_judge_replaces_scores_and_resumes(inline, scr
     assert {(r["judge"]["score"], r["judge"]["rubric_sha256"]) for r in kept} == {(0.1, judge.sha256("be strict"))}
     assert Counter(r["reward"] for r in kept) == {1.0: 2, 0.1: 2}  # checked rows keep the check's reward
     assert len(server.requests()) == rollouts + 10  # not one rollout request
+
+
+def test_a_killed_rescore_goes_on_without_paying_twice_and_the_lock_refuses_a_second(inline, cli, scripted_server):
+    """The real CLI: a rescore killed with -9 while the judge holds its second call; another one meanwhile
+    is refused by the run lock; done again, it pays only for the calls it had not received."""
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+    server = scripted_server({"default": [think("42")], "models": {JUDGE: {"match": [
+        {"contains": "## Task\np0", "replies": [verdict(0.5)]},
+        {"contains": "## Task\np1", "replies": [{**verdict(0.6), "gate": "hold"}]}], "default": [verdict(0.7)]}}})
+    assert inline.run(*inline.args(server, num_workers=1, concurrency=1)).returncode == 0
+    run_dir = inline.run_dir()
+    rescore = ["--rescore", "--run_name=run", f"--judge_model={JUDGE}", f"--rubric={RUBRIC}", f"--base_url={server.url}",
+               "--api_key=dummy-key", "--concurrency=1"]
+    started = cli.start(*rescore)
+    try:
+        _wait_for(lambda: (run_dir / "judge_journal.jsonl").exists()
+                  and len(read_jsonl(run_dir / "judge_journal.jsonl")) == 1 and len(_judge_requests(server)) == 2)
+        refused = inline.run(*rescore)
+        assert refused.returncode == 2 and "is in use by another runner" in refused.stderr
+    finally:
+        kill_group(started)
+    assert not any("judge" in r for rows in _rows(run_dir).values() for r in rows)  # nothing replaced half-way
+    server.open_gate("hold")
+    done = cli.run(*rescore)
+    assert done.returncode == 0, done.stderr
+    asked = Counter(r["body"]["messages"][1]["content"].split("\n")[1] for r in _judge_requests(server))
+    assert asked == {"p0": 1, "p1": 2, "p2": 1}  # p0 was journaled before the kill: replayed, not paid again
+    assert "1 replayed" in done.stdout
+    assert {r["conversations"][1]["value"]: r["judge"]["score"]
+            for r in read_jsonl(run_dir / "trajectories.jsonl")} == {"p0": 0.5, "p1": 0.6, "p2": 0.7}
