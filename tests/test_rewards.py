@@ -243,6 +243,10 @@ def test_rescore_pays_only_for_the_judge_replaces_scores_and_resumes(inline, scr
     assert Counter(r["reward"] for r in kept) == {1.0: 2, 0.1: 2}  # checked rows keep the check's reward
     assert len(server.requests()) == rollouts + 10  # not one rollout request
 
+    gone = inline.run(*rescore, "--rubric=other", "--judge_base_url=http://127.0.0.1:9/v1")
+    assert gone.returncode == 1 and "--judge_base_url=http://127.0.0.1:9/v1 cannot be reached" in gone.stderr
+    assert {r["judge"]["score"] for r in read_jsonl(run_dir / "trajectories.jsonl")} == {0.1}  # nothing replaced
+
 
 def test_a_killed_rescore_goes_on_without_paying_twice_and_the_lock_refuses_a_second(inline, cli, scripted_server):
     """The real CLI: a rescore killed with -9 while the judge holds its second call; another one meanwhile

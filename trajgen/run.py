@@ -245,7 +245,8 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     opts, check = prepared.opts, prepared.check
     if outcome.unreachable and prepared.fresh and not outcome.failed:
         return _unreachable(prepared, outcome.fatal)
-    if opts.judge_model and opts.judge_mode == "group" and not (outcome.fatal or outcome.stopped_by or outcome.budget):
+    finished = not (outcome.fatal or outcome.stopped_by or outcome.budget or outcome.failed or outcome.not_run)
+    if opts.judge_model and opts.judge_mode == "group" and finished:  # every group whole: judge them
         outcome = _judge_groups(prepared, outcome)
     filtering = merge.Filtering(opts.keep_hallucinated, opts.require_reasoning, opts.require_verified,
                                 opts.samples_per_prompt > 1)

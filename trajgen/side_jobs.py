@@ -13,7 +13,7 @@ from typing import Callable
 from trajgen import chat_calls, console, journal, store
 from trajgen.errors import FatalAPIError
 from trajgen.messages import Event, Notice, Replied
-from trajgen.model import Metered, OpenAIModel, Reply, no_usage
+from trajgen.model import Metered, OpenAIModel, Reply, add_usage, no_usage
 from trajgen.task import ModelSettings, Task
 
 
@@ -81,10 +81,7 @@ async def run_jobs(jobs: list[Job], *, settings: ModelSettings, journal_path: Pa
                 stats.errors += 1
             stats.replayed += model.replayed["turns"]
             stats.calls += model.turn - model.replayed["turns"]
-            for key in ("prompt_tokens", "completion_tokens"):
-                paid[key] += metered.usage[key]
-            if metered.usage["cost"] is not None:
-                paid["cost"] = (paid["cost"] or 0.0) + metered.usage["cost"]
+            add_usage(paid, metered.usage)
             on_done(job, result)
             done["failed" if isinstance(result, Exception) else "ok"] += 1
             progress.update(bar, advance=1, **done)
