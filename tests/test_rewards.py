@@ -103,6 +103,8 @@ def test_a_judge_scores_every_sample_with_its_rubric_and_groups_get_exact_advant
                               "observed_agreement": 0.75, "kappa": 0.5}
     assert stats["cost"] is None  # the rollouts' (the scripted server reports no cost): the judge's is apart
     assert "kappa 0.500" in done.stdout and "groups with zero spread" in done.stdout
+    assert inline.run("--report", "--run_name=run").returncode == 0
+    assert "kappa 0.500" in (run_dir / "report.html").read_text()
 
     # the exports carry the rewards and the groups
     assert inline.run(*args, "--export=openai").returncode == 0
@@ -164,6 +166,9 @@ def test_bad_judge_input_exits_2_before_any_request(inline, scripted_server, tmp
     for flags, said in cases:
         done = inline.run(*inline.args(server, **flags))
         assert (done.returncode, said in done.stderr) == (2, True), (flags, done.stderr)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p", "rubric": 5}])
+    bad_row = inline.run(*inline.args(server, judge_model=JUDGE))
+    assert bad_row.returncode == 2 and "field 'rubric' must be a non-empty string" in bad_row.stderr
     missing = inline.run("--rescore", "--run_name=nothing", f"--judge_model={JUDGE}", f"--rubric={RUBRIC}")
     assert missing.returncode == 2 and "--rescore: there is no run" in missing.stderr
     assert server.requests() == []

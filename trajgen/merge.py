@@ -188,7 +188,7 @@ def reasoned(row: dict) -> bool:
 def merge(run_dir: Path, filtering: Filtering) -> Merged:
     """Write trajectories.jsonl (atomically) and count everything on the way. The filters act here
     only: the batch files keep every row."""
-    result = Merged()
+    result = Merged(rewards=rewards.Rewards(groups={} if filtering.groups else None))
     latest = _latest_failures(run_dir, result)
     first = _FirstTime(chain(store.row_keys(run_dir, []),
                              (r.get("prompt_key") for r in store.read_records(run_dir / store.DISCARDED, []))))

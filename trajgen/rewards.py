@@ -65,10 +65,13 @@ def group(rewards: list[float], reward: float | None) -> dict:
 
 @dataclass
 class Rewards:
-    """Over the rows of the batch files: the rewards by group, the judge's spend and errors, and the
-    confusion of the check's pass or fail against the judge's score."""
+    """Over the rows of the batch files: the rewards (by group unless `groups` is None: a run of one
+    sample per prompt, whose ten million groups would take gigabytes), the judge's spend and errors,
+    and the confusion of the check's pass or fail against the judge's score."""
 
-    groups: dict[str, list[float]] = field(default_factory=dict)  # group id -> its rewards
+    groups: dict[str, list[float]] | None = field(default_factory=dict)  # group id -> its rewards
+    rewarded: int = 0
+    reward_sum: float = 0.0
     judge_calls: int = 0
     judge_usage: dict = field(default_factory=dict)  # summed by merge.Tally.add_usage
     judged: int = 0
@@ -79,7 +82,10 @@ class Rewards:
         """`judge_tally`: the merge's Tally of the judge's usage."""
         reward = reward_of(row)
         if reward is not None:
-            self.groups.setdefault(group_id(row), []).append(reward)
+            self.rewarded += 1
+            self.reward_sum += reward
+            if self.groups is not None:
+                self.groups.setdefault(group_id(row), []).append(reward)
         side = ((row["metadata"].get("side_usage") or {}).get("judge"))
         if side:
             judge_tally.add_usage(side)
@@ -92,13 +98,12 @@ class Rewards:
 
     def statistics(self, judge_tally, tokens: dict, cost: float | None) -> dict:
         """statistics.json's `rewards` and `judge` sections."""
-        rewards = [r for group in self.groups.values() for r in group]
-        several = [g for g in self.groups.values() if len(g) > 1]
+        several = [g for g in (self.groups or {}).values() if len(g) > 1]
         flat = sum(1 for g in several if max(g) == min(g))
         return {
             "rewards": {
-                "samples_rewarded": len(rewards),
-                "mean_reward": round(math.fsum(rewards) / len(rewards), 6) if rewards else None,
+                "samples_rewarded": self.rewarded,
+                "mean_reward": round(self.reward_sum / self.rewarded, 6) if self.rewarded else None,
                 "groups": len(several), "groups_zero_spread": flat,
                 "zero_spread_share": round(flat / len(several), 4) if several else None,
             },
