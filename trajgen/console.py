@@ -145,6 +145,10 @@ def progress_bar() -> RunProgress:
     )
 
 
+def dollars(cost: float | None) -> str:
+    return "n/a" if cost is None else f"${cost:.4f}"
+
+
 def _rate(value: float) -> str:
     return f"{100 * value:.1f}%"
 
@@ -166,7 +170,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
           if stats.get("records_not_in_dataset") else []),
         ("api calls", stats["api_calls"]),
         ("tokens prompt / completion / reasoning", tokens(stats["tokens"])),
-        ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
+        ("cost", dollars(stats["cost"])),
         *latency_rows(stats),
         ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
                                f"{stats['reasoning_statistics']['total_assistant_turns']} assistant turns"),
@@ -221,7 +225,7 @@ def reward_rows(stats: dict) -> list[tuple[str, str]]:
         rows.append(("groups with zero spread (no signal)",
                      f"{r['groups_zero_spread']} of {r['groups']} ({_rate(r['zero_spread_share'])})"))
     if j.get("calls") or j.get("rows_judged") or j.get("errors"):
-        cost = "n/a" if j["cost"] is None else f"${j['cost']:.4f}"
+        cost = dollars(j["cost"])
         per_row = "" if j["cost_per_row"] is None else f", ${j['cost_per_row']:.6f} a row"
         rows += [("judge", f"{j['rows_judged']} rows judged, {j['errors']} errors, {j['calls']} calls"),
                  ("judge tokens / cost", f"{tokens(j['tokens'])}; {cost}{per_row}")]

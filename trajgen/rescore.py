@@ -11,12 +11,12 @@ every reader sees a row as it was or as it is, never half of it; the merge that 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
 
-from trajgen import console, export, judge, merge, rewards, roles, store
+from trajgen import console, export, judge, merge, rewards, store
 from trajgen.errors import EndpointUnreachable, FatalAPIError, UsageError
 from trajgen.model import Reply, no_usage
 from trajgen.options import RunOptions, check_judge
@@ -24,13 +24,6 @@ from trajgen.side_jobs import Job, SideStats, run_jobs
 from trajgen.task import JudgeConfig
 
 JOURNAL = "judge_journal.jsonl"
-
-
-@dataclass
-class Judged:
-    """What the judge said of each row, by row key: the fields it replaces."""
-
-    fields: dict[str, dict] = field(default_factory=dict)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -71,7 +64,7 @@ def score(run_dir: Path, config: JudgeConfig, opts: RunOptions, only_unjudged: b
     one such row) and replace them in their batch files. FatalAPIError names --judge_base_url."""
     rows = _rows(run_dir)
     jobs, scored = _jobs(rows, config, only_unjudged)
-    judged = Judged()
+    judged: dict[str, dict] = {}  # row key -> the fields the judgement replaces
     model = config.settings.model
 
     def on_done(job: Job, reply: Reply | Exception) -> None:
@@ -86,7 +79,7 @@ def score(run_dir: Path, config: JudgeConfig, opts: RunOptions, only_unjudged: b
         usage = {**reply.usage} if isinstance(reply, Reply) else {}
         for i, (row, found) in enumerate(zip(group, scores)):  # the call's usage on the first row it scored
             paid = {**usage, "api_calls": 1} if i == 0 else {"api_calls": 0}
-            judged.fields[store.row_key(row)] = {**judge.fields(found, model, rubric), "usage": paid}
+            judged[store.row_key(row)] = {**judge.fields(found, model, rubric), "usage": paid}
 
     try:
         stats = asyncio.run(run_jobs(jobs, settings=config.settings, journal_path=run_dir / JOURNAL,
@@ -96,12 +89,12 @@ def score(run_dir: Path, config: JudgeConfig, opts: RunOptions, only_unjudged: b
     except EndpointUnreachable as e:
         raise FatalAPIError(f"--judge_base_url={config.settings.base_url} cannot be reached: {e}") from None
     finally:
-        if judged.fields:
+        if judged:
             _replace_rows(run_dir, judged, config.reward_from)
     return stats
 
 
-def _replace_rows(run_dir: Path, judged: Judged, reward_from: str) -> None:
+def _replace_rows(run_dir: Path, judged: dict[str, dict], reward_from: str) -> None:
     """Each batch file with a judged row, replaced whole: its other lines (torn ones too) as they were."""
     for _, path in store.batch_files(run_dir):
         lines, changed = [], False
@@ -109,7 +102,7 @@ def _replace_rows(run_dir: Path, judged: Judged, reward_from: str) -> None:
             for raw in f:
                 try:
                     row = orjson.loads(raw)
-                    new = judged.fields.pop(store.row_key(row), None)  # popped: a repeated key's first row only
+                    new = judged.pop(store.row_key(row), None)  # popped: a repeated key's first row only
                 except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
                     new = None
                 if new is None:
@@ -151,7 +144,7 @@ def run(opts: RunOptions) -> int:
         return 1
     merged = remerge(run_dir)
     console.out.print(f"rescored {run_dir}: {stats.calls} judge call(s) paid, {stats.replayed} replayed, "
-                      f"{stats.errors} error(s); cost {_dollars(stats.cost)}; "
+                      f"{stats.errors} error(s); cost {console.dollars(stats.cost)}; "
                       f"mean reward {merged['rewards']['mean_reward']}")
     for path in export.stale(run_dir):
         console.notice(f"{path} was exported before this rescore and is stale: run --export again")
@@ -171,8 +164,3 @@ def remerge(run_dir: Path) -> dict:
     stats = {**last, **merge.merged_statistics(run_dir, filtering, {})}
     store.write_json(run_dir / merge.STATISTICS, stats)
     return stats
-
-
-def _dollars(cost: float | None) -> str:
-    return "n/a" if cost is None else f"${cost:.4f}"
-
