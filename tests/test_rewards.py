@@ -281,3 +281,18 @@ def test_a_killed_rescore_goes_on_without_paying_twice_and_the_lock_refuses_a_se
     assert "1 replayed" in done.stdout
     assert {r["conversations"][1]["value"]: r["judge"]["score"]
             for r in read_jsonl(run_dir / "trajectories.jsonl")} == {"p0": 0.5, "p1": 0.6, "p2": 0.7}
+
+
+def test_a_rescore_stops_at_its_spend_limit_and_goes_on_from_there(inline, scripted_server):
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    server = scripted_server({"default": [think("42")], "models": {JUDGE: {"default": [verdict(0.5, cost=0.001)]}}})
+    assert inline.run(*inline.args(server, num_workers=1, concurrency=1)).returncode == 0
+    rescore = ["--rescore", "--run_name=run", f"--judge_model={JUDGE}", f"--rubric={RUBRIC}", f"--base_url={server.url}",
+               "--api_key=dummy-key", "--concurrency=1"]
+    stopped = inline.run(*rescore, "--max_cost=0.0015")  # the second call's cost reaches it
+    assert stopped.returncode == 3 and "2 row(s) not scored" in stopped.stderr
+    assert len(_judge_requests(server)) == 2
+    assert sum(bool(r.get("judge")) for rows in _rows(inline.run_dir()).values() for r in rows) == 2
+    done = inline.run(*rescore)
+    assert done.returncode == 0 and len(_judge_requests(server)) == 4  # the two paid are replayed
+    assert all(r["judge"]["score"] == 0.5 for rows in _rows(inline.run_dir()).values() for r in rows)
