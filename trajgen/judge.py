@@ -140,13 +140,17 @@ def _answer(reply: Reply) -> object:
 
 def _score(found: object, keys: frozenset[str] = frozenset({"score", "reason"})) -> Score:
     if not isinstance(found, dict) or set(found) != keys:
-        raise JudgeError(f"the judge's answer is not {{{', '.join(sorted(keys))}}}: {orjson.dumps(found)[:200]!r}")
+        raise JudgeError(f"the judge's answer is not {{{', '.join(sorted(keys))}}}: {_short(found)}")
     score, reason = found["score"], found["reason"]
     if type(score) not in (int, float) or not (0 <= score <= 1) or not math.isfinite(score):
         raise JudgeError(f"the judge's score {score!r} is not a number in [0, 1]")
     if not isinstance(reason, str):
         raise JudgeError("the judge's reason is not text")
     return Score(float(score), reason)
+
+
+def _short(found: object) -> str:
+    return orjson.dumps(found).decode()[:200]
 
 
 def parse(reply: Reply) -> Score:
@@ -159,7 +163,7 @@ def parse_group(reply: Reply, size: int) -> list[Score]:
     found = _answer(reply)
     entries = found.get("scores") if isinstance(found, dict) and set(found) == {"scores"} else None
     if not isinstance(entries, list):
-        raise JudgeError(f"the judge's answer is not {{scores: [...]}}: {orjson.dumps(found)[:200]!r}")
+        raise JudgeError(f"the judge's answer is not {{scores: [...]}}: {_short(found)}")
     scores: dict[int, Score] = {}
     for entry in entries:
         sample = entry.get("sample") if isinstance(entry, dict) else None
@@ -172,11 +176,16 @@ def parse_group(reply: Reply, size: int) -> list[Score]:
 
 
 def fields(score: Score | JudgeError | Exception, model: str, rubric: str) -> dict:
-    """What a judgement puts on the row: `judge` (and no `judge_error`), or `judge_error` alone."""
+    """What a judgement puts on the row: `judge` with `judge_error` null, or `judge` null with `judge_error`."""
     if isinstance(score, Score):
         return {"judge": {"score": score.score, "reason": score.reason, "model": model,
                           "rubric_sha256": sha256(rubric)}, "judge_error": None}
     return {"judge": None, "judge_error": str(score)[:2000] or type(score).__name__}
+
+
+def unreachable(config: JudgeConfig, error: EndpointUnreachable) -> FatalAPIError:
+    """The judge's endpoint out of reach: the run stops, naming the judge's flag."""
+    return FatalAPIError(f"--judge_base_url={config.settings.base_url} cannot be reached: {error}")
 
 
 async def judge(model: JournalModel, config: JudgeConfig, row: dict) -> dict:
@@ -188,7 +197,7 @@ async def judge(model: JournalModel, config: JudgeConfig, row: dict) -> dict:
     try:
         score: Score | Exception = parse(await model.complete(messages(row, rubric), [], False))
     except EndpointUnreachable as e:
-        raise FatalAPIError(f"--judge_base_url={config.settings.base_url} cannot be reached: {e}") from e
+        raise unreachable(config, e) from e
     except (JudgeError, MalformedResponse, ProviderError, APIError) as e:
         score = e
     return fields(score, config.settings.model, rubric)

@@ -87,7 +87,7 @@ def score(run_dir: Path, config: JudgeConfig, opts: RunOptions, only_unjudged: b
                                      max_cost=max_cost, max_total_tokens=max_total_tokens,
                                      cache_max_mb=opts.cache_max_mb))
     except EndpointUnreachable as e:
-        raise FatalAPIError(f"--judge_base_url={config.settings.base_url} cannot be reached: {e}") from None
+        raise judge.unreachable(config, e) from None
     finally:
         if judged:
             _replace_rows(run_dir, judged, config.reward_from)
