@@ -213,7 +213,8 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
                         getattr(result, where).add(row)
                         if where == "kept" and groups is not None:
                             group = rewards.group(groups.get(rewards.group_id(row), []), rewards.reward_of(row))
-                            out.write(store.encode_row({**row, "group": group}) + b"\n")
+                            # spliced in, not the row encoded again (a batch file's row has no group)
+                            out.write(line.rstrip()[:-1] + b',"group":' + orjson.dumps(group) + b"}\n")
                         elif where == "kept":
                             out.write(line)  # as the batch file holds it
                 out.flush()
