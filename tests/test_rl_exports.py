@@ -184,7 +184,9 @@ def test_atropos_lines_are_scored_groups_one_per_prompt(run):
             assert logprobs == [1.0] * prompt + [logprob(t) if t >= MODEL else 1.0 for t in tokens[prompt:]]
     tools = next(g for g in lines if len(g["tokens"]) == 3)  # one sample of ("tools", 0), two of BROKEN
     assert sorted(tools["scores"]) == [0.0, 0.0, 1.0]
-    assert [a[0] for a in tools["advantages"]] == [1.0 if s else -1.0 for s in tools["scores"]]
+    # the group's GRPO advantage (trajgen/rewards.py): two rows rewarded 1 and 0, mean 0.5, population std 0.5
+    assert [a[0] for a in tools["advantages"]] == [pytest.approx((0.5 if s else -0.5) / (0.5 + 1e-6))
+                                                   for s in tools["scores"]]
     assert tools["messages"][0][-1]["role"] == "assistant" and all(m["reward"] is None for m in tools["messages"][0])
     plain = next(g for g in lines if len(g["tokens"]) == 2)
     assert plain["scores"] == [None, None] and plain["advantages"] is None  # nothing judged them

@@ -120,14 +120,13 @@ def final_answer(conv: Conversation) -> str:
 
 
 def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool_names: tuple[str, ...] = (), *,
-               replayed: int = 0, stalls: int = 0, check: verify.Check = verify.UNVERIFIED,
-               side_usage: dict | None = None) -> dict:
+               replayed: int = 0, stalls: int = 0, check: verify.Check = verify.UNVERIFIED) -> dict:
     """The trajectory row: ShareGPT turns (the system prompt as configured, never the ephemeral
     part or the prefill), each with its `message` exactly as sent (a gpt turn also with its
     `reasoning`), the tools offered, per-tool counts (of every tool of the run, the MCP servers'
     included, so every row has the same keys), the metadata the statistics read, and the verify check.
     `replayed`: calls the journal answered (counted in the usage, not paid again); `stalls`: calls
-    abandoned for silence and asked again; `side_usage`: what each side model cost (trajgen/roles.py)."""
+    abandoned for silence and asked again."""
     turns = [{"from": "system", "value": settings.system_prompt,
               "message": {"role": "system", "content": settings.system_prompt}}] if settings.system_prompt else []
     turns.append({"from": "human", "value": task.prompt, "message": conv.messages[conv.prompt_at]})
@@ -179,7 +178,6 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
         **({"episode": {"ended": conv.episode_end, "user_turns": len(conv.simulated), "user_model": conv.user_model}}
            if conv.episode_end else {}),
-        **({"side_usage": side_usage} if side_usage else {}),
     }
     if with_ids:
         tok = tokenizer.load(settings.tokenizer) if settings.tokenizer else None

@@ -30,7 +30,7 @@ out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
-SECRET_FLAGS = ("--api_key", "--vision_api_key", "--user_api_key")
+SECRET_FLAGS = ("--api_key", "--vision_api_key", "--user_api_key", "--judge_api_key")
 KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
 
 
@@ -145,6 +145,10 @@ def progress_bar() -> RunProgress:
     )
 
 
+def dollars(cost: float | None) -> str:
+    return "n/a" if cost is None else f"${cost:.4f}"
+
+
 def _rate(value: float) -> str:
     return f"{100 * value:.1f}%"
 
@@ -166,7 +170,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
           if stats.get("records_not_in_dataset") else []),
         ("api calls", stats["api_calls"]),
         ("tokens prompt / completion / reasoning", tokens(stats["tokens"])),
-        ("cost", "n/a" if stats["cost"] is None else f"${stats['cost']:.4f}"),
+        ("cost", dollars(stats["cost"])),
         *side_model_rows(stats),
         *latency_rows(stats),
         ("reasoning coverage", f"{stats['reasoning_statistics']['coverage_percent']}% of "
@@ -177,7 +181,7 @@ def overview_rows(stats: dict) -> list[tuple[str, str]]:
     return [(name, str(value)) for name, value in rows]
 
 
-SIDE_MODELS = {"judge": "judge", "summary": "summaries", "user_simulator": "simulated user"}  # merge.SECTIONS
+SIDE_MODELS = {"summary": "summaries", "user_simulator": "simulated user"}  # merge.SECTIONS; the judge: reward_rows
 
 
 def side_model_rows(stats: dict) -> list[tuple[str, str]]:
@@ -226,6 +230,30 @@ def verification_rows(stats: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def reward_rows(stats: dict) -> list[tuple[str, str]]:
+    """Rewards, groups and the judge (its spend and its agreement with the checks), from statistics.json;
+    none for a run without rewards."""
+    r, j = stats.get("rewards") or {}, stats.get("judge") or {}
+    rows = []
+    if r.get("samples_rewarded"):
+        rows.append(("mean reward", f"{r['mean_reward']:.4f} over {r['samples_rewarded']} samples"))
+    if r.get("groups"):
+        rows.append(("groups with zero spread (no signal)",
+                     f"{r['groups_zero_spread']} of {r['groups']} ({_rate(r['zero_spread_share'])})"))
+    if j.get("calls") or j.get("rows_judged") or j.get("errors"):
+        cost = dollars(j["cost"])
+        per_row = "" if j["cost_per_row"] is None else f", ${j['cost_per_row']:.6f} a row"
+        rows += [("judge", f"{j['rows_judged']} rows judged, {j['errors']} errors, {j['calls']} calls"),
+                 ("judge tokens / cost", f"{tokens(j['tokens'])}; {cost}{per_row}")]
+    if agreement := j.get("agreement"):
+        kappa = "n/a" if agreement["kappa"] is None else f"{agreement['kappa']:.3f}"
+        rows.append(("judge vs checks (pass/pass, pass/fail, fail/pass, fail/fail)",
+                     f"{agreement['check_passed_judge_passed']}, {agreement['check_passed_judge_failed']}, "
+                     f"{agreement['check_failed_judge_passed']}, {agreement['check_failed_judge_failed']}; "
+                     f"kappa {kappa}"))
+    return rows
+
+
 def summary(stats: dict) -> None:
     """The same numbers as statistics.json, as tables."""
     overview = Table(title=f"Run {stats['run_name']}: {stats['model']}", show_header=False)
@@ -242,9 +270,9 @@ def summary(stats: dict) -> None:
             tools.add_row(name, str(s["count"]), str(s["success"]), str(s["failure"]), _rate(s["success_rate"]))
     if tools.row_count:
         out.print(tools)
-    checks = verification_rows(stats)
+    checks = verification_rows(stats) + reward_rows(stats)
     if checks:
-        table = Table(title="Verification (every finished sample)", show_header=False)
+        table = Table(title="Verification and rewards (every finished sample)", show_header=False)
         table.add_column(style="bold")
         table.add_column(justify="right")
         for name, value in checks:

@@ -56,7 +56,7 @@ def parse_line(raw: bytes, index: int, path: str) -> Entry | str:
     if not isinstance(prompt, str) or not prompt.strip():
         return f"{where}: field 'prompt' must be a non-empty string"
     image = obj.get("image", obj.get("docker_image"))
-    for name in ("image", "docker_image", "cwd", "verify"):
+    for name in ("image", "docker_image", "cwd", "verify", "rubric"):
         value = obj.get(name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             return f"{where}: field '{name}' must be a non-empty string"

@@ -1,13 +1,14 @@
 """--export: a finished run's rows as one trainer convention (trajgen/conventions/), streamed from
 trajectories.jsonl into a file beside it, written atomically.
 
-Every record carries `completed` and `partial`, its verify outcome and a `reward`
-(trajgen/verify.py REWARD: 1 passed, 0 failed or timed out, null when nothing was judged), and
-`provenance`. `--export_outcome` selects rows by verdict; partial rows (ended by the forced
-final-answer call) are left out unless `--export_partial`, and so are rows the convention cannot
-carry (conventions.NotCarried). Beside the file go what its trainer needs (a convention's
-`companions`) and, where the format has no room for them, our keys (its `SIDE_FILE`). After writing,
-the export prints the command that trains on the file, and what makes it incomplete or stale.
+Every record carries `completed` and `partial`, its verify outcome, its `reward` (trajgen/rewards.py:
+by default the check's, 1 passed, 0 failed or timed out, a graded check's number, null when nothing
+was judged), its `judge` and `group` where it has them, and `provenance`. `--export_outcome` selects
+rows by verdict; partial rows (ended by the forced final-answer call) are left out unless
+`--export_partial`, and so are rows the convention cannot carry (conventions.NotCarried). Beside the
+file go what its trainer needs (a convention's `companions`) and, where the format has no room for
+them, our keys (its `SIDE_FILE`). After writing, the export prints the command that trains on the
+file, and what makes it incomplete or stale.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Iterable, Iterator
 import jsonlines
 import orjson
 
-from trajgen import store, verify
+from trajgen import rewards, store, verify
 from trajgen.conventions import NotCarried, atropos, hermes, hf, openai, parquet, sharegpt, skyrl, verifiers
 from trajgen.errors import UsageError
 from trajgen.options import PROVENANCE_SETTINGS, as_list
@@ -34,7 +35,8 @@ FORMATS = tuple(CONVENTIONS)
 TRAINERS = {"trl": "hf", "axolotl": "hf", "llamafactory": "sharegpt", "prime_rl": "verifiers"}  # the format each trainer reads (docs/exports.md)
 VERDICTS = tuple(v.value for v in verify.Verdict)
 TRAJECTORIES = "trajectories.jsonl"
-OURS = ("completed", "partial", "verify", "reward", "provenance")  # the keys a record adds to its convention's
+# the keys a record adds to its convention's (outcome(): judge, judge_error and group where a row has them)
+OURS = ("completed", "partial", "verify", "reward", "judge", "judge_error", "group", "provenance")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,11 @@ def check_format(fmt: str | None) -> None:
 
 
 def outcome(row: dict) -> dict:
-    """The row's verify object (an unverified one for rows written before verification) and its reward."""
+    """The row's verify object (an unverified one for rows written before verification), its reward
+    (trajgen/rewards.py), and its judgement and group where it has them."""
     check = row.get("verify") or verify.UNVERIFIED.as_row()
-    return {"verify": check, "reward": verify.REWARD.get(verify.Verdict(check["status"]))}
+    return {"verify": check, "reward": rewards.reward_of(row),
+            **{name: row[name] for name in ("judge", "judge_error", "group") if row.get(name) is not None}}
 
 
 def provenance(row: dict, manifest: dict) -> dict:
@@ -158,7 +162,7 @@ def _write_jsonl(tmp: str, records: Iterable[dict], side_tmp: str | None = None)
         for record in records:
             count += 1
             if side_tmp:
-                beside.write({"line": count, **{key: record.pop(key) for key in OURS}})
+                beside.write({"line": count, **{key: record.pop(key) for key in OURS if key in record}})
             out.write(record)
     return count
 

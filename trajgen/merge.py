@@ -19,7 +19,7 @@ from typing import Iterable
 
 import orjson
 
-from trajgen import store, verify
+from trajgen import rewards, store, verify
 from trajgen.model import UNKNOWN
 from trajgen.samples import Cause
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
@@ -195,6 +195,7 @@ class Merged:
     not_passed: Tally = field(default_factory=Tally)  # filtered by --require_verified
     verification: Verification = field(default_factory=Verification)
     samples: Samples = field(default_factory=Samples)  # of the kept rows
+    rewards: rewards.Rewards = field(default_factory=rewards.Rewards)  # of the rows of the batch files
     discarded: Tally = field(default_factory=Tally)
     discarded_by_reason: Counter = field(default_factory=Counter)
     failed_by_class: Counter = field(default_factory=Counter)
@@ -212,6 +213,7 @@ class Filtering:
     keep_hallucinated: bool = False
     require_reasoning: bool = False
     require_verified: bool = False
+    groups: bool = False  # not a filter: each kept row gets its group's statistics (--samples_per_prompt > 1)
 
     def group(self, hallucinated: bool, reasoned: bool, passed: bool) -> str:
         """Where the merge puts a row (a field of Merged): kept, or filtered as `hallucinated`,
@@ -231,10 +233,11 @@ def reasoned(row: dict) -> bool:
 def merge(run_dir: Path, filtering: Filtering) -> Merged:
     """Write trajectories.jsonl (atomically) and count everything on the way. The filters act here
     only: the batch files keep every row."""
-    result = Merged()
+    result = Merged(rewards=rewards.Rewards(groups={} if filtering.groups else None))
     latest = _latest_failures(run_dir, result)
     first = _FirstTime(chain(store.row_keys(run_dir, []),
                              (r.get("prompt_key") for r in store.read_records(run_dir / store.DISCARDED, []))))
+    groups = _group_rewards(run_dir) if filtering.groups else None
     with store.writing(run_dir / TRAJECTORIES):  # a full disk: DiskFull, the batch files intact
         fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".trajectories.jsonl.")
         try:
@@ -249,12 +252,18 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
                             continue
                         latest.pop(key, None)
                         result.verification.add(row)
+                        result.rewards.add(row)
                         where = filtering.group(bool(row["metadata"].get("hallucinated_tools")), reasoned(row),
                                                 verify.status(row) == Verdict.PASSED.value)
                         getattr(result, where).add(row)
-                        if where == "kept":
-                            result.samples.add(row)
+                        if where != "kept":
+                            continue
+                        result.samples.add(row)
+                        if groups is None:
                             out.write(line)  # as the batch file holds it
+                        else:  # the group spliced in, not the row encoded again (a batch file's row has no group)
+                            group = rewards.group(groups.get(rewards.group_id(row), []), rewards.reward_of(row))
+                            out.write(line.rstrip()[:-1] + b',"group":' + orjson.dumps(group) + b"}\n")
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, run_dir / TRAJECTORIES)
@@ -271,6 +280,17 @@ def merge(run_dir: Path, filtering: Filtering) -> Merged:
         result.verification.add(record.get("row") or {})
     result.failed_by_class.update(latest.values())  # the prompts with no row and no discard
     return result
+
+
+def _group_rewards(run_dir: Path) -> dict[str, list[float]]:
+    """Every group's rewards, over the rows of the batch files (each key's first row, as the merge reads them)."""
+    found = rewards.Rewards()
+    first = _FirstTime(store.row_keys(run_dir, []))
+    for _, path in store.batch_files(run_dir):
+        for row in store.read_records(path, []):
+            if (key := store.row_key(row)) is not None and first(key):
+                found.add(row)
+    return found.groups
 
 
 def _latest_failures(run_dir: Path, result: Merged) -> dict[str, str]:
@@ -354,6 +374,7 @@ def statistics(merged: Merged, header: dict) -> dict:
         "filtered_no_reasoning": merged.no_reasoning.rows,
         "filtered_not_passed": merged.not_passed.rows,
         "verification": merged.verification.statistics(),
+        **merged.rewards.statistics(*_paid(everything.side.get("judge", Tally()))),
         "total_batches": merged.batch_files,
         "tool_statistics": merged.kept.tool_statistics(),
         "filtered_tool_statistics": {
@@ -375,13 +396,18 @@ def statistics(merged: Merged, header: dict) -> dict:
         "cost": dollars(paid.cost),
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
-        **side_models(everything),
+        **side_models(everything),  # the judge's section is the rewards' (rewards.py)
         **({"token_ids": {"rows_with_ids": everything.rows_with_ids, "drift_turns": everything.drift_turns,
                           **merged.samples.statistics()}} if everything.rows_with_ids else {}),
     }
 
 
-SECTIONS = {"judge": "judge", "summary": "summary", "user": "user_simulator"}  # statistics.json's name for each role
+SECTIONS = {"summary": "summary", "user": "user_simulator"}  # statistics.json's name for each role; the judge: rewards.py
+
+
+def _paid(tally: Tally) -> tuple[int, dict, float | None]:
+    """A side model's calls, tokens and cost, as its section says them."""
+    return tally.api_calls, _tokens(tally), dollars(tally.cost)
 
 
 def side_models(rows: Tally) -> dict:
@@ -389,8 +415,9 @@ def side_models(rows: Tally) -> dict:
     the agent's; the simulated user's also its episodes."""
     out = {}
     for role, paid in rows.side.items():
-        out[SECTIONS.get(role, role)] = {"rows": paid.rows, "calls": paid.api_calls, "tokens": _tokens(paid),
-                                         "cost": dollars(paid.cost)}
+        if role in SECTIONS:
+            calls, tokens, cost = _paid(paid)
+            out[SECTIONS[role]] = {"rows": paid.rows, "calls": calls, "tokens": tokens, "cost": cost}
     if rows.episodes:
         episodes = sum(rows.episodes.values())
         out.setdefault(SECTIONS["user"], {}).update(

@@ -18,6 +18,9 @@ def main(opts: RunOptions) -> int:
         return 0
     if opts.export:
         return run.run_export(opts)
+    if opts.rescore:
+        from trajgen import rescore
+        return rescore.run(opts)
     if opts.compare:
         from trajgen import compare_command  # it and several_models import the viewer's comparison page
         return compare_command.run(opts)

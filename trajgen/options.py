@@ -22,7 +22,7 @@ from trajgen.errors import UsageError
 from trajgen.local_model import NAME as LOCAL_MODEL
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, new_root_dir
 from trajgen.tools import ToolSettings
-from trajgen.task import ModelSettings, SimulatedUser
+from trajgen.task import JudgeConfig, ModelSettings, SimulatedUser
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 DEFAULT_SYSTEM_PROMPT = (
@@ -43,6 +43,7 @@ GROUPS: dict[str, str] = {
     "output": "Output, exports and the viewer",
     "scale": "Scale",
     "sampling": "Verification and sampling",
+    "rewards": "Rewards and the judge",
 }
 
 
@@ -149,6 +150,13 @@ class RunOptions:
     docker_root: bool = flag(False, "Run docker sandbox commands as root (for images that need it) instead of a uid of their own per prompt.", group="tools")
     apptainer_cache_dir: str | None = flag(None, "Where the apptainer backend builds each image into a SIF file, once (default ~/.cache/trajgen/sif).", group="tools")
     modal_app: str = flag("trajgen", "Modal app the modal backend's sandboxes run under (created if missing).", group="tools")
+    judge_model: str | None = flag(None, "Score every sample with this model as a judge, against --rubric (or a dataset row's rubric field); see docs/rewards.md.", resume=True, group="rewards")
+    judge_base_url: str | None = flag(None, "OpenAI-compatible endpoint of the judge (default: --base_url).", group="rewards")
+    judge_api_key: str | None = flag(None, "Key for the judge's endpoint (default: the run's key).", group="rewards")
+    rubric: str | None = flag(None, "What the judge scores against: the text, or @FILE for a file's; a dataset row's rubric field overrides it.", resume=True, group="rewards")
+    judge_mode: str = flag("sample", "sample: the judge scores each sample after its check; group: all the samples of a prompt at once, compared, once they have all finished (ART's RULER).", group="rewards")
+    reward_from: str = flag("verify", "Which signal is a row's reward: verify (the check's; the judge's where a row has no check), judge, min or mean (of both; null unless both exist).", group="rewards")
+    rescore: bool = flag(False, "Score every row of a finished run (--run_name) again with the judge and rubric flags, sending no rollout request, and exit; resumable.", group="rewards")
     modal_timeout: int = flag(3600, "Seconds a modal sandbox may live; Modal ends it then, whatever its prompt is doing.", minimum=1, group="tools")
 
     @property
@@ -183,6 +191,14 @@ class RunOptions:
             return None
         settings = roles.settings_for(run, self.user_model, self.user_base_url, self.user_api_key)
         return SimulatedUser(settings=settings, max_turns=self.max_user_turns, for_all=self.user_for_all)
+
+    def judge_config(self, run: ModelSettings) -> JudgeConfig:
+        """The judge's settings from its flags, on the run's client settings (`run`), asked for its JSON format."""
+        from trajgen import judge  # the judge's modules only for these flags
+        settings = roles.settings_for(run, self.judge_model, self.judge_base_url, self.judge_api_key)
+        response_format = judge.GROUP_FORMAT if self.judge_mode == "group" else judge.RESPONSE_FORMAT
+        return JudgeConfig(dataclasses.replace(settings, extra_body={"response_format": response_format}),
+                           judge.load_rubric(self.rubric), self.reward_from, self.judge_mode)
 
     def tool_settings(self, api_key: str) -> ToolSettings:
         return ToolSettings(
@@ -262,8 +278,45 @@ def as_list(value) -> list[str]:
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 
+def check_judge(opts: RunOptions) -> None:
+    """The judge's and the reward's flags, on their own (the rubric file is read here)."""
+    from trajgen import judge, rewards  # the judge's modules only for these flags
+    if opts.reward_from not in rewards.REWARD_FROM:
+        raise UsageError(f"--reward_from must be one of {', '.join(rewards.REWARD_FROM)}, got {opts.reward_from!r}")
+    if opts.judge_mode not in ("sample", "group"):
+        raise UsageError(f"--judge_mode must be sample or group, got {opts.judge_mode!r}")
+    if not opts.judge_model:
+        for name in ("judge_base_url", "judge_api_key", "rubric"):
+            if getattr(opts, name):
+                raise UsageError(f"--{name} goes with --judge_model (the judge's model); pass it too")
+        if opts.reward_from != "verify" or opts.judge_mode != "sample":
+            raise UsageError(f"--reward_from={opts.reward_from} --judge_mode={opts.judge_mode} need a judge: "
+                             "pass --judge_model and --rubric")
+    check_urls(opts, ("judge_base_url",))
+    judge.load_rubric(opts.rubric)
+
+
+def run_api_key(opts: RunOptions) -> str:
+    """The run's key: the flag, else the environment; a local server takes any key."""
+    api_key = opts.api_key or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if api_key:
+        return api_key
+    if opts.base_url == DEFAULT_BASE_URL:
+        raise UsageError("no API key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or pass --api_key")
+    return "none"  # local servers take any key
+
+
+def check_urls(opts: RunOptions, names: tuple[str, ...]) -> None:
+    for name in names:
+        url = getattr(opts, name)
+        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
+                                or not urllib.parse.urlsplit(url).hostname):
+            raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+
+
 def check(opts: RunOptions) -> None:
     """Every check of the flags on their own, before a file is read or a request sent."""
+    check_judge(opts)
     if not opts.dataset_file:
         raise UsageError("--dataset_file is required")
     if opts.run_name is None or opts.run_name.strip() in ("", ".", ".."):
@@ -276,11 +329,7 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    for name in ("base_url", "vision_base_url", "user_base_url"):
-        url = getattr(opts, name)
-        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
-                                or not urllib.parse.urlsplit(url).hostname):
-            raise UsageError(f"--{name} must be an http:// or https:// URL, got {url!r}")
+    check_urls(opts, ("base_url", "vision_base_url", "user_base_url"))
     if opts.compare_out:
         raise UsageError("--compare_out goes with --compare (--models writes its comparison into <output_dir>/<run_name>/)")
     if opts.export_outcome and not opts.export:

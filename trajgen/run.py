@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -14,11 +13,11 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
-from trajgen import plan as plan_module, resume_scan
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, rescore, scheduler
+from trajgen import plan as plan_module, resume_scan, store
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
-from trajgen.errors import UsageError
-from trajgen.options import DEFAULT_BASE_URL, RunOptions, as_list, check as check_options
+from trajgen.errors import FatalAPIError, UsageError
+from trajgen.options import RunOptions, as_list, check as check_options, run_api_key
 from trajgen.plan import SANDBOX_TOOLSETS, Plan
 from trajgen.sandbox.backends import BACKENDS, SandboxConfig, bwrap_problem, check_images, cleanup, limit_notices, reap, runs_images
 from trajgen.sandbox.backends import prepare_host, runtime_problem
@@ -171,7 +170,7 @@ def prepare(opts: RunOptions) -> Prepared:
                                             (*TOOLSETS, *(s.name for s in servers)))
     except ValueError as e:
         raise UsageError(f"--{'toolsets' if opts.toolsets else 'distribution'}: {e}")
-    api_key = _api_key(opts)
+    api_key = run_api_key(opts)
     prefill = _prefill(opts.prefill_messages_file)
     run_dir = Path(opts.output_dir) / opts.run_name
     existed = bool(store.entries(run_dir))
@@ -189,6 +188,10 @@ def prepare(opts: RunOptions) -> Prepared:
                         unavailable_sets=unavailable_sets, plan=Plan(), distribution=without(distribution, left_out),
                         fresh=fresh, mcp_servers=servers, left_out=left_out).counted()
     _say_what_is_wrong_with(prepared.check, opts)
+    if opts.judge_model and not opts.rubric and not any(e.extra.get("rubric") for e in dataset.entries(
+            str(opts.dataset_file), prepared.check.duplicates, opts.max_samples)):
+        raise UsageError("--judge_model needs a rubric: --rubric TEXT, --rubric @FILE, or a rubric field in the "
+                         "dataset's rows")
     if refused:
         raise refused
     if not opts.dry_run and not existed:
@@ -227,12 +230,13 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     previous = store.read_checkpoint(run_dir).get("duration_seconds_total", 0.0)
     store.write_json(run_dir / "manifest.json", {**prepared.manifest, "updated_at": scheduler.now()})
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
+    judging = opts.judge_config(prepared.model) if opts.judge_model and opts.judge_mode == "sample" else None
     config = WorkerConfig(model=prepared.model, sandbox=sandbox, tools=prepared.tools,
                           unavailable_tools=prepared.unavailable_tools,
                           concurrency=worker_share(opts.concurrency, 1 if auto else opts.num_workers),
                           verbose=opts.verbose, cache_dir=opts.cache_dir, verify_timeout=opts.verify_timeout,
                           cache_max_mb=opts.cache_max_mb, mcp_tools=prepared.mcp_tools,
-                          user=opts.simulated_user(prepared.model))
+                          user=opts.simulated_user(prepared.model), judge=judging, reward_from=opts.reward_from)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)
@@ -258,7 +262,11 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
     opts, check = prepared.opts, prepared.check
     if outcome.unreachable and prepared.fresh and not outcome.failed:
         return _unreachable(prepared, outcome.fatal)
-    filtering = merge.Filtering(opts.keep_hallucinated, opts.require_reasoning, opts.require_verified)
+    finished = not (outcome.fatal or outcome.stopped_by or outcome.budget or outcome.failed or outcome.not_run)
+    if opts.judge_model and opts.judge_mode == "group" and finished:  # every group whole: judge them
+        outcome = _judge_groups(prepared, outcome)
+    filtering = merge.Filtering(opts.keep_hallucinated, opts.require_reasoning, opts.require_verified,
+                                opts.samples_per_prompt > 1)
     stats = merge.merged_statistics(prepared.run_dir, filtering, {
         "run_name": opts.run_name, "model": opts.model, "distribution": opts.distribution,
         "total_prompts": check.valid, "samples_per_prompt": opts.samples_per_prompt, "batch_size": opts.batch_size,
@@ -290,6 +298,22 @@ def finish(prepared: Prepared, outcome: scheduler.RunEnd, previous: float, start
         console.stopped(f"{failures}; --resume runs them again:", error=False)
         return 1
     return 0
+
+
+def _judge_groups(prepared: Prepared, outcome: scheduler.RunEnd) -> scheduler.RunEnd:
+    """--judge_mode=group: every group with an unjudged sample judged as a whole (trajgen/rescore.py),
+    within what is left of the spend limits; the run's end with what the judge paid, or why it stopped."""
+    opts = prepared.opts
+    left = lambda limit, paid: None if limit is None else max(limit - paid, 0)  # noqa: E731
+    try:
+        judged = rescore.score(prepared.run_dir, opts.judge_config(prepared.model), opts, only_unjudged=True,
+                               max_cost=left(opts.max_cost, outcome.paid_cost),
+                               max_total_tokens=left(opts.max_total_tokens, outcome.paid_tokens))
+    except FatalAPIError as e:
+        return replace(outcome, fatal=str(e))
+    return replace(outcome, paid_cost=outcome.paid_cost + (judged.cost or 0.0),
+                   paid_tokens=outcome.paid_tokens + judged.prompt_tokens + judged.completion_tokens,
+                   budget=outcome.budget or ("a spend limit, before every group was judged" if judged.not_run else None))
 
 
 def _bring_back_unreasoned(run_dir: Path) -> int:
@@ -347,15 +371,6 @@ def _unmeasured(prepared: Prepared) -> int | None:
     console.error(f"the endpoint does not answer ({probe.problem}); no prompt was sent. Fix --base_url, --model or "
                   "the key (--dry_run checks them) and run the same command again")
     return 1
-
-
-def _api_key(opts: RunOptions) -> str:
-    api_key = opts.api_key or os.environ.get("OPENROUTER_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    if api_key:
-        return api_key
-    if opts.base_url == DEFAULT_BASE_URL:
-        raise UsageError("no API key: set OPENROUTER_API_KEY (or OPENAI_API_KEY) or pass --api_key")
-    return "none"  # local servers take any key
 
 
 def _prefill(path: str | None) -> list[dict]:

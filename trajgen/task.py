@@ -47,6 +47,17 @@ class SimulatedUser:
     for_all: bool = False  # rows without a `user` field get one too (--user_for_all)
 
 
+@dataclass(frozen=True)
+class JudgeConfig:
+    """The judge of every sample (trajgen/judge.py): its model's settings (the JSON-schema response
+    format in their extra body), the run's rubric (a row's own overrides it) and which signal is the reward."""
+
+    settings: ModelSettings
+    rubric: str
+    reward_from: str = "verify"
+    mode: str = "sample"  # or "group": every sample of a prompt at once, after they all finished
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     model: ModelSettings
@@ -60,6 +71,8 @@ class WorkerConfig:
     cache_max_mb: float = 1024.0  # a reply larger than the whole cache is not stored
     mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
     user: SimulatedUser | None = None  # the simulated user, when --user_model is set
+    judge: JudgeConfig | None = None  # each sample judged after its check (--judge_mode=sample)
+    reward_from: str = "verify"  # which signal is a row's `reward` (trajgen/rewards.py)
 
 
 @dataclass(frozen=True, kw_only=True)

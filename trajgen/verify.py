@@ -15,6 +15,8 @@ cannot open, take the answer or run the command is an error. None of it fails th
 from __future__ import annotations
 
 import enum
+import math
+import re
 import shlex
 import time
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ class Verdict(enum.Enum):
 
 
 REWARD = {Verdict.PASSED: 1.0, Verdict.FAILED: 0.0, Verdict.TIMEOUT: 0.0}  # the rest: no reward (None)
+GRADED = re.compile(r"reward:(.*)")  # the last line of a graded check's output
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,12 @@ class Check:
     exit_code: int | None = None
     seconds: float | None = None
     output: str = ""  # the tail of what the command printed; for an error, why it could not run
-    error: str | None = None  # the kind of error: sandbox, command_not_found or not_executable
+    error: str | None = None  # the kind of error: sandbox, command_not_found, not_executable or malformed_reward
+    reward: float | None = None  # a graded check's own reward (GRADED)
 
     def as_row(self) -> dict:
         return {"status": self.verdict.value, "command": self.command, "exit_code": self.exit_code,
-                "seconds": self.seconds, "output": self.output, "error": self.error}
+                "seconds": self.seconds, "output": self.output, "error": self.error, "reward": self.reward}
 
 
 UNVERIFIED = Check(Verdict.UNVERIFIED)
@@ -62,6 +66,29 @@ UNVERIFIED = Check(Verdict.UNVERIFIED)
 def status(row: dict) -> str:
     """The row's verdict; rows written before verification existed are unverified."""
     return (row.get("verify") or {}).get("status", Verdict.UNVERIFIED.value)
+
+
+def reward(check: dict) -> float | None:
+    """A check's reward (a row's `verify`): its graded number, else 1 passed, 0 failed or timed out, else none."""
+    if check.get("reward") is not None:
+        return check["reward"]
+    return REWARD.get(Verdict(check.get("status", Verdict.UNVERIFIED.value)))
+
+
+def graded(output: str) -> float | None | ValueError:
+    """The number of a last line `reward: <number>`, None when the last line is not one, ValueError
+    when it is one without a finite number."""
+    lines = output.rstrip("\n").rsplit("\n", 1)
+    found = GRADED.fullmatch(lines[-1].strip())
+    if found is None:
+        return None
+    try:
+        number = float(found.group(1))
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        return ValueError(f"the last line {lines[-1].strip()[:200]!r} is not `reward: <number>`")
+    return number
 
 
 async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[Sandbox]], timeout: float) -> Check:
@@ -84,7 +111,12 @@ async def run(command: str, final_answer: str, sandbox: Callable[[], Awaitable[S
         return Check(Verdict.ERROR, command, None, seconds, why[-OUTPUT_TAIL:], "sandbox")
     if result.exit_code in NOT_RUN:
         return Check(Verdict.ERROR, command, result.exit_code, seconds, output, NOT_RUN[result.exit_code])
-    return Check(Verdict.PASSED if result.exit_code == 0 else Verdict.FAILED, command, result.exit_code, seconds, output)
+    number = graded(result.output)
+    if isinstance(number, ValueError):
+        return Check(Verdict.ERROR, command, result.exit_code, seconds, f"{output}\n{number}"[-OUTPUT_TAIL:],
+                     "malformed_reward")
+    return Check(Verdict.PASSED if result.exit_code == 0 else Verdict.FAILED, command, result.exit_code, seconds, output,
+                 reward=number)
 
 
 def clean_room(command: str) -> str:

@@ -12,7 +12,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from trajgen import agent, chat_calls, journal, registry, roles, simulated_user, token_ids, tokenizer, verify
+from trajgen import agent, chat_calls, journal, judge, registry, rewards, roles, simulated_user, token_ids, tokenizer, verify
 from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, PromptTimeout, SideEndpointUnreachable
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
@@ -126,8 +126,12 @@ class Worker:
                                                             schemas, prompt.ctx, self._simulator(task, prompt))
             check = await self._verify(task, conversation, prompt)
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools),
-                                   replayed=journaled.replayed, stalls=endpoint.stalls, check=check,
-                                   side_usage=roles.side_usage(prompt.side) if prompt.side else None)
+                                   replayed=journaled.replayed, stalls=endpoint.stalls, check=check)
+            if (judging := self.config.judge) is not None:  # the judge reads the rendered row
+                row.update(await judge.judge(self.side_model(prompt, "judge", judging.settings), judging, row))
+            row["reward"] = rewards.chosen(row, self.config.reward_from)
+            if prompt.side:  # known once the judge has answered
+                row["metadata"]["side_usage"] = roles.side_usage(prompt.side)
             return decide(task, row=row, usage=roles.prompt_usage(row["metadata"]), files=prompt.ctx.files)
         except TimeoutError as e:
             if not deadline.expired():  # a timeout inside the conversation is that error, not the prompt's deadline

@@ -23,14 +23,20 @@ def _schema(json_type):
     message = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
                          ("tool_calls", pa.list_(call)), ("tool_call_id", pa.string()), ("name", pa.string())])
     verify = pa.struct([("status", pa.string()), ("command", pa.string()), ("exit_code", pa.int64()),
-                        ("seconds", pa.float64()), ("output", pa.string()), ("error", pa.string())])
+                        ("seconds", pa.float64()), ("output", pa.string()), ("error", pa.string()),
+                        ("reward", pa.float64())])
+    judge = pa.struct([("score", pa.float64()), ("reason", pa.string()), ("model", pa.string()),
+                       ("rubric_sha256", pa.string())])
+    group = pa.struct([("size", pa.int64()), ("reward_mean", pa.float64()), ("reward_std", pa.float64()),
+                       ("advantage", pa.float64())])
     provenance = pa.struct([
         ("run_name", pa.string()), ("model", pa.string()), ("prompt_key", pa.string()), ("dataset_id", pa.string()),
         ("prompt_index", pa.int64()), ("group_id", pa.string()), ("sample_index", pa.int64()),
         ("toolsets_sampled", pa.list_(pa.string())), ("toolsets_offered", pa.list_(pa.string())),
         ("settings", json_type), ("request", json_type), ("dataset", json_type)])
     return pa.schema([("messages", pa.list_(message)), ("tools", pa.list_(json_type)), ("completed", pa.bool_()),
-                      ("partial", pa.bool_()), ("verify", verify), ("reward", pa.float64()), ("provenance", provenance)])
+                      ("partial", pa.bool_()), ("verify", verify), ("reward", pa.float64()), ("judge", judge), ("judge_error", pa.string()),
+                      ("group", group), ("provenance", provenance)])
 
 
 def _json(value) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from trajgen import merge, store, verify
+from trajgen import merge, rewards, store, verify
 from trajgen.verify import Verdict
 
 PROMPT_CHARS = 2000  # of each prompt, kept for search
@@ -73,6 +73,7 @@ class Tallies:
     discarded: merge.Tally = field(default_factory=merge.Tally)
     failed_attempts: merge.Tally = field(default_factory=merge.Tally)  # every failure record, as the merge counts them
     verification: merge.Verification = field(default_factory=merge.Verification)  # rows and discarded rows
+    rewards: rewards.Rewards = field(default_factory=rewards.Rewards)  # rows, as the merge counts them
     duplicates: int = 0
     torn: list[str] = field(default_factory=list)
 
@@ -183,6 +184,7 @@ class RunIndex:
         entry = _entry(ROW, where, key, row, row, None)
         self.tallies.rows.setdefault((entry.hallucinated, entry.reasoned, entry.passed), merge.Tally()).add(row)
         self.tallies.verification.add(row)
+        self.tallies.rewards.add(row)
         self._put(key, entry)
 
     def _add_discarded(self, where: tuple, record: dict) -> None:

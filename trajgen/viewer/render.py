@@ -94,7 +94,8 @@ def summary_html(summary: Summary) -> str:
     live = ('<p class="live">The run is still going (or stopped before its statistics were written): these counts '
             'are live from the files; durations are those of the last checkpoint.</p>') if summary.live else ""
     overview = "".join(f'<tr><th scope="row">{_e(name)}</th><td>{_e(value)}</td></tr>'
-                       for name, value in [*console.overview_rows(s), *console.verification_rows(s)])
+                       for name, value in [*console.overview_rows(s), *console.verification_rows(s),
+                                           *console.reward_rows(s)])
     filtered = s["filtered_hallucinated"] + s["filtered_no_reasoning"] + s["filtered_not_passed"]
     outcome = [("kept", s["kept"], "bar-ok"), ("filtered", filtered, "bar-filtered"),
                ("discarded", s["discarded"]["total"], "bar-discarded"), ("failed", s["failed"]["total"], "bar-failed"),

@@ -62,7 +62,7 @@ def summarize(index: RunIndex) -> Summary:
         group = filters.group(hallucinated, reasoned, passed)
         groups[group] = _together(groups[group], tally)
     merged = merge.Merged(
-        **groups, discarded=t.discarded, verification=t.verification,
+        **groups, discarded=t.discarded, verification=t.verification, rewards=t.rewards,
         discarded_by_reason=Counter(e.reason for e in entries if e.kind == DISCARDED),
         failed_by_class=Counter(e.reason for e in entries if e.kind == FAILED), failed_attempts=t.failed_attempts,
         batch_files=len(store.batch_files(run_dir)), duplicates_skipped=t.duplicates, torn=list(t.torn))
