@@ -87,6 +87,9 @@ class RunOptions:
     compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.", group="output")
     compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).", group="output")
     models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.", group="endpoint")
+    compress: bool = flag(False, "Compress a finished run (--run_name) into <output_dir>/<run_name>_compressed/, and exit: each row over --compress_tokens has the fewest middle turns replaced by one summary by --summary_model (see docs/compress.md).", group="output")
+    compress_tokens: int = flag(15250, "With --compress: the tokens each row is brought to (at least 512).", group="output")
+    tokenizer: str | None = flag(None, "Hugging Face tokenizer (a local path or the local cache; nothing is downloaded) that counts tokens exactly for --compress and --context_budget (default: an estimate of 4 characters a token).", group="output")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0, group="output")
     dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.", group="run", first_run=True)
     max_cost: float | None = flag(None, "Stop once this invocation has spent this many dollars (the cost the endpoint reports, else --price_per_mtok); refused before any prompt when the endpoint reports no cost.", minimum=0, group="limits")
@@ -102,6 +105,7 @@ class RunOptions:
     top_p: float | None = flag(None, "Nucleus sampling.", resume=True, provenance=True, group="sampling")
     max_tokens: int | None = flag(None, "Max tokens per completion.", minimum=1, resume=True, provenance=True, group="sampling")
     seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True, group="sampling")
+    context_budget: int | None = flag(None, "Tokens a request may hold: before one would exceed it, the middle of the conversation is replaced by one summary by --summary_model, and the row records it (see docs/compress.md).", minimum=512, resume=True, provenance=True, group="limits")
     max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0, group="limits")
     retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0, group="limits")
     request_timeout: float = flag(1800.0, "Seconds an API request may take in all, a long generation that keeps streaming included.", minimum=0.001, group="limits")
@@ -124,6 +128,9 @@ class RunOptions:
     reasoning_disabled: bool = flag(False, "OpenRouter: ask for no reasoning.", group="endpoint")
     ephemeral_system_prompt: str = flag("", "Appended to the system prompt at run time, never written to trajectories.", group="run")
     prefill_messages_file: str | None = flag(None, "JSON list of {role, content} messages sent before the prompt, not written.", group="run")
+    summary_model: str | None = flag(None, "Model that writes the summaries of --compress and --context_budget (default: the run's --model).", group="endpoint")
+    summary_base_url: str | None = flag(None, "OpenAI-compatible endpoint of --summary_model (default: the run's --base_url).", group="endpoint")
+    summary_api_key: str | None = flag(None, "Key for the summary endpoint (default: the run's key, sent only when the summary endpoint is the run's own).", group="endpoint")
     vision_model: str | None = flag(None, "Model for vision_analyze (default: --model).", group="tools")
     vision_base_url: str | None = flag(None, "OpenAI-compatible endpoint for vision_analyze (default: --base_url).", group="tools")
     vision_api_key: str | None = flag(None, "Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).", group="tools")
@@ -260,7 +267,7 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    for name in ("base_url", "vision_base_url"):
+    for name in ("base_url", "vision_base_url", "summary_base_url"):
         url = getattr(opts, name)
         if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
                                 or not urllib.parse.urlsplit(url).hostname):
