@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Callable
 
-from trajgen import registry, trajectory
+from trajgen import context_budget, registry, trajectory
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.task import ModelSettings, Task
@@ -35,6 +36,7 @@ class Conversation:
     finish_reasons: list = field(default_factory=list)  # each reply's finish reason, as the endpoint sent it
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     truncated: bool = False  # ended on a reply whose tool calls the token limit cut (finish reason `length`)
+    window: context_budget.Window | None = None  # --context_budget: the requests as sent, compacted
     wall_seconds: float = 0.0
     ended_at: str = ""
 
@@ -62,16 +64,23 @@ def start_messages(settings: ModelSettings, prompt: str) -> list[dict]:
 
 
 async def run_conversation(prompt: str, model: ModelClient, settings: ModelSettings, tools: list[ToolSpec],
-                           schemas: list[dict], ctx: ToolContext) -> Conversation:
+                           schemas: list[dict], ctx: ToolContext,
+                           summarizer: Callable[[], ModelClient] | None = None) -> Conversation:
+    """`summarizer`: the prompt's summary model, for --context_budget's compactions."""
     started = time.monotonic()
     messages = start_messages(settings, prompt)
     conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools), schemas)
+    if settings.context_budget and summarizer:
+        conv.window = context_budget.Window(settings.context_budget, settings.tokenizer, summarizer)
     offered = {t.name: t for t in tools}
+    reply = None
     for turn in range(settings.max_turns + 1):
         final_call = turn == settings.max_turns
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
-        reply = await model.complete(messages, schemas, forbid_tools=final_call)
+        sent = messages if conv.window is None else await conv.window.fit(
+            messages, schemas, reply and reply.usage.get("prompt_tokens"), len(conv.replies))
+        reply = await model.complete(sent, schemas, forbid_tools=final_call)
         calls = conv.add_reply(reply, final_call)
         if not calls:
             conv.completed = not final_call
@@ -139,6 +148,9 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
         "usage": {**conv.usage, "api_calls": len(conv.replies), "wall_seconds": conv.wall_seconds},
         "latency": {k: [t[k] for t in conv.timings if k in t] for k in trajectory.LATENCY_KEYS},
     }
+    if conv.window is not None:  # the requests sent shorter than the transcript, where and how (docs/compress.md)
+        metadata["compactions"] = conv.window.compactions
+        metadata["requests_over_budget"] = conv.window.over_budget
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,

@@ -163,7 +163,8 @@ class RunOptions:
             retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
             stream=self.stream, stall_timeout=float(self.stall_timeout), max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
             price_per_mtok=self.prices(), reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
-            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill)
+            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill, tokenizer=self.tokenizer,
+            context_budget=self.context_budget)
 
     def prices(self) -> tuple[float, float] | None:
         """--price_per_mtok as (input, output) dollars per million tokens: one number prices both."""
@@ -288,6 +289,9 @@ def check(opts: RunOptions) -> None:
     if opts.executor != "processes":  # Ray is imported only when asked for: its import costs every worker CPU and memory
         from trajgen.ray_executor import check_executor
         check_executor(opts.executor, opts.ray_address, opts.worker_cpus, opts.worker_memory)
+    if opts.tokenizer:  # loaded here, so that one that cannot be stops the run before any request
+        from trajgen import tokenizer
+        tokenizer.load(opts.tokenizer)
     if not os.path.isfile(opts.dataset_file):
         raise UsageError(f"--dataset_file {opts.dataset_file}: no such file")
 

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, scheduler, store
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, roles, scheduler, store
 from trajgen import plan as plan_module
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
 from trajgen.errors import UsageError
@@ -213,7 +213,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
     auto = opts.num_workers == "auto"  # Ray actors as the cluster's CPUs hold, each up to --concurrency
     config = WorkerConfig(prepared.model, sandbox, prepared.tools, prepared.unavailable_tools,
                           worker_share(opts.concurrency, 1 if auto else opts.num_workers), opts.verbose,
-                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools)
+                          opts.cache_dir, opts.verify_timeout, opts.cache_max_mb, prepared.mcp_tools,
+                          summary=roles.settings_for(prepared.model, opts.summary_model, opts.summary_base_url,
+                                                     opts.summary_api_key) if opts.context_budget else None)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)

@@ -33,6 +33,8 @@ class ModelSettings:
     system_prompt: str = ""
     ephemeral_system_prompt: str = ""  # sent, never written into trajectories
     prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
+    tokenizer: str | None = None  # --tokenizer (trajgen/tokenizer.py)
+    context_budget: int | None = None  # --context_budget: tokens a request may hold (trajgen/context_budget.py)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class WorkerConfig:
     verify_timeout: float = 300.0  # seconds a row's verify command may run (trajgen/verify.py)
     cache_max_mb: float = 1024.0  # a reply larger than the whole cache is not stored
     mcp_tools: tuple[ToolSpec, ...] = ()  # the MCP servers' tools, as the probe read them (trajgen/tools/mcp.py)
+    summary: ModelSettings | None = None  # --context_budget's summary model (trajgen/roles.py)
 
 
 @dataclass(frozen=True)

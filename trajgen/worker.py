@@ -118,8 +118,10 @@ class Worker:
             tools, schemas = self.tools_for(task.toolsets_offered)
             model = journal.JournalModel(paid, self.config.model, task, self.send, self.cache)
             async with deadline:
-                conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
-                                                            schemas, prompt.ctx)
+                summary = self.config.summary
+                conversation = await agent.run_conversation(
+                    task.prompt, model, self.config.model, tools, schemas, prompt.ctx,
+                    summary and (lambda: self.side_model(prompt, "summary", summary)))
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools))
             row["metadata"]["usage"]["replayed"] = model.replayed  # counted in the usage, not paid again
             row["metadata"]["usage"]["stalls"] = endpoint.stalls  # calls abandoned for silence and asked again
