@@ -51,6 +51,10 @@ def test_every_request_stays_under_the_budget_and_the_row_records_each_compactio
     assert sent[:4] == agent_requests(server)[first - 1]["messages"][:4]  # system, prompt, first call, first result
     assert sum(t["from"] == "tool" for t in row["conversations"]) == 9  # the row keeps every turn: a result per call
     assert row["metadata"]["side_usage"]["summary"]["api_calls"] == len(compactions)
+    stats = json.loads((inline.run_dir() / "statistics.json").read_text())
+    assert stats["compactions"] == len(compactions)
+    assert stats["side_models"]["summary"] == {"api_calls": len(compactions), "cost": None, "tokens": {
+        "prompt": 10 * len(compactions), "completion": 5 * len(compactions), "reasoning": 0}}
 
 
 def test_without_a_tokenizer_the_last_reported_prompt_tokens_decide(inline, scripted_server, tmp_path):

@@ -10,6 +10,7 @@ statistics.json), so --export, --view and --report take it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -23,36 +24,46 @@ from trajgen.options import RunOptions
 from trajgen.task import ModelSettings
 
 MINIMUM_TARGET = 512
+COUNTED = 256  # rows whose turns are counted in one call of the tokenizer
 SUFFIX = "_compressed"
 HEADER = ("model", "distribution", "total_prompts", "samples_per_prompt", "batch_size", "remaining_not_run",
           "records_not_in_dataset", "invalid_lines_skipped")  # statistics.json's header, as the run's says
 
 
 @dataclass(frozen=True)
-class Counted:
-    """A row's turns for the plan, and its tokens."""
+class Planned:
+    """A row's tokens and its plan, from the first pass (the second writes it without counting again)."""
 
-    turns: list[compaction.Turn]
-    tokens: list[int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.tokens)
+    tokens: int
+    plan: compaction.Plan
+    removed: int = 0  # the tokens of the turns a Cut replaces
 
 
-def counter(name: str | None) -> Callable[[str], int]:
-    """Tokens of a text: --tokenizer's exact count, or the estimate (compaction.CHARS_PER_TOKEN)."""
+def counter(name: str | None) -> Callable[[list[str]], list[int]]:
+    """Tokens of each text: --tokenizer's exact count, or the estimate (compaction.CHARS_PER_TOKEN)."""
     if name is None:
-        return compaction.estimate
+        return lambda texts: [compaction.estimate(text) for text in texts]
     tok = tokenizer.load(name)
-    return lambda text: tokenizer.count(tok, text)
+    return lambda texts: tokenizer.counts(tok, texts)
 
 
-def counted(row: dict, count: Callable[[str], int]) -> Counted:
-    """The row's turns as the plan sees them; a row's tokens are the sum of its turns' texts."""
+def planned(row: dict, tokens: list[int], target: int) -> Planned:
+    """The row's plan from its turns' tokens; a row's tokens are their sum."""
     turns = [compaction.Turn(t["from"], tuple(c["id"] for c in t.get("tool_calls") or ()), t.get("tool_call_id"))
              for t in row["conversations"]]
-    return Counted(turns, [count(t["value"]) for t in row["conversations"]])
+    plan = compaction.plan(turns, tokens, sum(tokens), target)
+    removed = sum(tokens[plan.start:plan.end]) if isinstance(plan, compaction.Cut) else 0
+    return Planned(sum(tokens), plan, removed)
+
+
+def every_plan(rows: Iterator[dict], count: Callable[[list[str]], list[int]], target: int
+               ) -> Iterator[tuple[dict, Planned]]:
+    """Each row with its plan; the turns of COUNTED rows are counted in one call (a call per row cost
+    the tokenizer more than its counting)."""
+    while chunk := list(itertools.islice(rows, COUNTED)):
+        tokens = iter(count([t["value"] for row in chunk for t in row["conversations"]]))
+        for row in chunk:
+            yield row, planned(row, list(itertools.islice(tokens, len(row["conversations"]))), target)
 
 
 def job_key(row: dict) -> str:
@@ -104,13 +115,11 @@ def run(opts: RunOptions) -> int:
     manifest = store.read_json(source / "manifest.json")
     settings = _summary_settings(opts, manifest)
     store.lock_run_dir(target_dir)
-    target = opts.compress_tokens
-    jobs, cuts = [], {}
-    for row in _rows(source):
-        plan = compaction.plan((c := counted(row, count)).turns, c.tokens, c.total, target)
-        if isinstance(plan, compaction.Cut):
-            jobs.append(summary_job(row, plan))
-            cuts[jobs[-1].key] = plan
+    plans, jobs = {}, []
+    for row, plan in every_plan(_rows(source), count, opts.compress_tokens):
+        plans[job_key(row)] = plan
+        if isinstance(plan.plan, compaction.Cut):
+            jobs.append(summary_job(row, plan.plan))
     replies: dict[str, Reply | Exception] = {}
     try:
         paid = asyncio.run(side_jobs.run_jobs(
@@ -121,7 +130,7 @@ def run(opts: RunOptions) -> int:
                       "fix --summary_base_url, --summary_model or the key; the summaries already paid are "
                       "kept and the same command goes on from them")
         return 1
-    totals = _write(source, target_dir, manifest, opts, count, cuts, replies, settings.model)
+    totals = _write(source, target_dir, manifest, opts, count, plans, replies, settings.model)
     header = {"run_name": target_dir.name, **{k: v for k, v in _source_stats(source).items() if k in HEADER},
               "duration_seconds": round(time.monotonic() - started, 3)}
     header["duration_seconds_total"] = header["duration_seconds"]  # this directory's own work: the compression
@@ -137,10 +146,11 @@ def _source_stats(source: Path) -> dict:
     return store.read_json_or_empty(source / merge.STATISTICS)
 
 
-def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, count: Callable[[str], int],
-           cuts: dict[str, compaction.Cut], replies: dict[str, Reply | Exception], model: str) -> dict:
+def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, count: Callable[[list[str]], list[int]],
+           plans: dict[str, Planned], replies: dict[str, Reply | Exception], model: str) -> dict:
     """The compressed rows into batch files named as the run's (what an earlier invocation left is
-    replaced), the manifest, and the totals of statistics.json's `compression`."""
+    replaced; not fsynced: the merge's trajectories.jsonl is, and a crash before it means running the
+    same command again), the manifest, and the totals of statistics.json's `compression`."""
     for path in (*(p for _, p in store.batch_files(target_dir)), target_dir / merge.TRAJECTORIES,
                  target_dir / merge.STATISTICS):
         path.unlink(missing_ok=True)
@@ -152,20 +162,18 @@ def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, cou
     before_total = after_total = 0
     usage = {**no_usage(), "api_calls": 0}
     failed: dict[str, str] = {}
-    files: dict[int, store.AppendFile] = {}
+    file: tuple[int, store.AppendFile] | None = None  # the rows come batch by batch: one file open at a time
     try:
         for row in _rows(source):
-            c = counted(row, count)
-            plan = compaction.plan(c.turns, c.tokens, c.total, opts.compress_tokens)
-            metrics: dict = {"tokens_before": c.total, "tokens_after": c.total, "turns_summarized": 0,
-                             "target": opts.compress_tokens}
             key = job_key(row)
+            plan, before = plans[key].plan, plans[key].tokens
+            metrics: dict = {"tokens_before": before, "tokens_after": before, "turns_summarized": 0,
+                             "target": opts.compress_tokens}
             if isinstance(plan, compaction.Cut):
                 reply = replies.get(key)
                 if isinstance(reply, Reply):
                     row = compressed(row, plan, trajectory.split_reasoning(reply.message)[1])
-                    removed = sum(c.tokens[plan.start:plan.end])
-                    after = c.total - removed + count(row["conversations"][plan.start]["value"])
+                    after = before - plans[key].removed + count([row["conversations"][plan.start]["value"]])[0]
                     metrics |= {"tokens_after": after, "turns_summarized": plan.turns, "summary_model": model,
                                 "summary_usage": reply.usage,
                                 "status": "compressed" if after <= opts.compress_tokens else "over_target"}
@@ -178,17 +186,18 @@ def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, cou
                 metrics["status"] = {compaction.Fits: "under_target", compaction.Unreachable: "over_target",
                                      compaction.Orphan: "orphan_tool_call"}[type(plan)]
             status[metrics["status"]] += 1
-            before_total += c.total
+            before_total += before
             after_total += metrics["tokens_after"]
             row = {**row, "metadata": {**row["metadata"], "compression": metrics}}
             batch = row["metadata"].get("batch_num", 0)
-            if batch not in files:
-                files[batch] = store.AppendFile(target_dir / f"batch_{batch}.jsonl")
-            files[batch].append(row)
+            if file is None or file[0] != batch:
+                if file:
+                    file[1].close()
+                file = (batch, store.AppendFile(target_dir / f"batch_{batch}.jsonl"))
+            file[1].append(row)
     finally:
-        for file in files.values():
-            file.sync()
-            file.close()
+        if file:
+            file[1].close()
     return {"target": opts.compress_tokens, "tokenizer": opts.tokenizer, "summary_model": model,
             "rows": sum(status.values()), "compressed": status["compressed"], "under_target": status["under_target"],
             "still_over_target": status["over_target"], "orphan_tool_calls": status["orphan_tool_call"],

@@ -24,7 +24,7 @@ from trajgen.model import UNKNOWN
 from trajgen.trajectory import LATENCY_KEYS, tool_stat
 from trajgen.verify import Verdict
 
-COUNTS_VERSION = 3  # of what statistics() counts: a change makes every run directory merge again
+COUNTS_VERSION = 4  # of what statistics() counts: a change makes every run directory merge again
 STATISTICS = "statistics.json"
 TRAJECTORIES = "trajectories.jsonl"
 
@@ -45,6 +45,8 @@ class Tally:
     replies_without_usage: int = 0  # their tokens are unknown, and so are the totals
     stalls: int = 0  # calls abandoned for silence (--stall_timeout) and asked again
     latency: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in LATENCY_KEYS})  # bin -> replies
+    side: dict[str, "Tally"] = field(default_factory=dict)  # the side models' usage, by role (trajgen/roles.py)
+    compactions: int = 0  # --context_budget's (trajgen/context_budget.py)
 
     def add(self, row: dict) -> None:
         self.rows += 1
@@ -61,6 +63,11 @@ class Tally:
         for key, values in (meta.get("latency") or {}).items():
             if key in self.latency:
                 self.latency[key].update(map(_bin, values))
+        for role, usage in (meta.get("side_usage") or {}).items():
+            side = self.side.get(role) or self.side.setdefault(role, Tally())
+            side.add_usage(usage)
+            side.api_calls += usage.get("api_calls", 0)
+        self.compactions += len(meta.get("compactions") or ())
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -74,9 +81,11 @@ class Tally:
     def __add__(self, other: "Tally") -> "Tally":
         """Totals of counters only (tools stay per group)."""
         total = Tally()
-        for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls",
-                     "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls"):
+        for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls", "prompt_tokens",
+                     "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls", "compactions"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
+        total.side = {role: self.side.get(role, Tally()) + other.side.get(role, Tally())
+                      for role in self.side | other.side}
         total.latency = {k: self.latency[k] + other.latency[k] for k in LATENCY_KEYS}
         costs = [c for c in (self.cost, other.cost) if c is not None]
         total.cost = sum(costs) if costs else None
@@ -328,6 +337,9 @@ def statistics(merged: Merged, header: dict) -> dict:
         "cost": dollars(paid.cost),
         "torn_lines_ignored": merged.torn,
         "duplicate_rows_ignored": merged.duplicates_skipped,
+        **({"side_models": {role: {"api_calls": t.api_calls, "tokens": _tokens(t), "cost": dollars(t.cost)}
+                            for role, t in everything.side.items()}} if everything.side else {}),
+        **({"compactions": everything.compactions} if everything.compactions else {}),
     }
 
 
