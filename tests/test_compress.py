@@ -176,3 +176,10 @@ def test_compress_from_the_command_line(cli, scripted_server, tmp_path):
     assert "1 compressed" in done.stdout and len(summary_requests(server)) == 1
     row = read_jsonl(cli.run_dir("run_compressed") / "trajectories.jsonl")[0]
     assert row["metadata"]["compression"]["tokens_after"] <= 1000 < row["metadata"]["compression"]["tokens_before"]
+
+
+def test_a_summary_endpoint_that_cannot_be_reached_stops_the_job_naming_its_flag(inline, finished):
+    server, tok = finished
+    done = compress(inline, f"--compress_tokens={TARGET}", "--summary_base_url=http://127.0.0.1:9/v1", "--max_retries=0")
+    assert done.returncode == 1 and "--summary_base_url" in done.stderr and "Traceback" not in done.stderr
+    assert not summary_requests(server) and not (inline.run_dir("run_compressed") / "trajectories.jsonl").exists()
