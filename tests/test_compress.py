@@ -183,3 +183,21 @@ def test_a_summary_endpoint_that_cannot_be_reached_stops_the_job_naming_its_flag
     done = compress(inline, f"--compress_tokens={TARGET}", "--summary_base_url=http://127.0.0.1:9/v1", "--max_retries=0")
     assert done.returncode == 1 and "--summary_base_url" in done.stderr and "Traceback" not in done.stderr
     assert not summary_requests(server) and not (inline.run_dir("run_compressed") / "trajectories.jsonl").exists()
+
+
+def test_the_plan_keeps_a_call_with_all_its_results_on_either_side_of_the_cut():
+    """Turns: system, human, a gpt turn with two calls and their results (the head ends after both),
+    three middle groups, then a gpt turn with two calls, their results and the answer: the last four
+    turns begin at a result, so the tail takes its call too."""
+    T = compaction.Turn
+    turns = [T("system"), T("human"), T("gpt", ("a", "b")), T("tool", answers="a"), T("tool", answers="b"),
+             T("gpt", ("c",)), T("tool", answers="c"), T("gpt", ("d",)), T("tool", answers="d"),
+             T("gpt", ("e",)), T("tool", answers="e"),
+             T("gpt", ("f", "g")), T("tool", answers="f"), T("tool", answers="g"), T("gpt")]
+    tokens = [100] * len(turns)
+    target = 1000  # 1500 tokens: 500 + the summary's 100 to remove, all three middle groups (200 each)
+    assert compaction.plan(turns, tokens, sum(tokens), target) == compaction.Cut(5, 11, 100)
+    assert compaction.plan(turns, tokens, sum(tokens), 1300) == compaction.Cut(5, 9, 130)
+    assert compaction.plan(turns, tokens, sum(tokens), 1500) == compaction.Fits()
+    assert compaction.plan(turns, tokens, sum(tokens), 700) == compaction.Unreachable(970)  # 1500 - 600 + 70
+    assert compaction.plan(turns[:-2] + turns[-1:], tokens[:-1], 1400, 1000) == compaction.Orphan(11)
