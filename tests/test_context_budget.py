@@ -79,3 +79,11 @@ def test_a_run_without_the_flag_sends_and_writes_as_before(inline, scripted_serv
     assert inline.run(*inline.args(server, max_turns=9)).returncode == 0
     row = read_jsonl(inline.run_dir() / "trajectories.jsonl")[0]
     assert "compactions" not in row["metadata"] and not summary_requests(server)
+
+
+def test_a_tokenizer_that_cannot_load_stops_the_run_before_any_request(inline, scripted_server, tmp_path):
+    server = scripted_server(long_rollout())
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "long"}])
+    done = inline.run(*inline.args(server, context_budget=BUDGET, tokenizer=str(tmp_path / "no-such-tokenizer")))
+    assert done.returncode == 2 and "--tokenizer=" in done.stderr and "cannot be loaded" in done.stderr
+    assert server.stats()["requests"] == 0
