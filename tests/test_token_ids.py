@@ -199,14 +199,22 @@ def test_a_tokenizer_that_cannot_load_stops_the_run_before_any_request(inline, t
     assert server.requests == []
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path):
+def test_a_tokenizer_without_a_chat_template_is_refused_for_a_run_and_only_counts(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
+    from trajgen import options
+
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
                             unk_token="<unk>").save_pretrained(tmp_path / "bare")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     with pytest.raises(UsageError, match="no chat template"):
-        tokenizer.load(str(tmp_path / "bare"))
+        options.check(options.RunOptions(dataset_file=str(tmp_path / "prompts.jsonl"), run_name="r",
+                                         tokenizer=str(tmp_path / "bare")))
+    bare = tokenizer.load(str(tmp_path / "bare"))
+    assert tokenizer.counts(bare, ["a b", ""]) == [1, 0]  # --compress counts with it
+    with pytest.raises(UsageError, match="no chat template"):
+        tokenizer.render(bare, [{"role": "user", "content": "hi"}], None)
 
 
 def test_an_endpoint_without_ids_gets_retokenized_ids_and_no_logprobs(inline, token_server, char_tokenizer):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Callable
 
-from trajgen import registry, samples, token_ids, tokenizer, trajectory, verify
+from trajgen import context_budget, registry, samples, token_ids, tokenizer, trajectory, verify
 from trajgen.model import ModelClient, Reply, add_usage, no_usage
 from trajgen.simulated_user import FollowUp, Simulator
 from trajgen.tools import ToolContext, ToolSpec
@@ -40,6 +41,7 @@ class Conversation:
     tokens: list = field(default_factory=list)  # each reply's ids (--token_ids, --tokenizer), None without them
     completed: bool = False  # ended on a reply without tool calls (else the forced final call ended it)
     truncated: bool = False  # ended on a reply whose tool calls the token limit cut (finish reason `length`)
+    window: context_budget.Window | None = None  # --context_budget: the requests as sent, compacted
     wall_seconds: float = 0.0
     ended_at: str = ""
 
@@ -68,12 +70,16 @@ def start_messages(settings: ModelSettings, prompt: str) -> list[dict]:
 
 
 async def run_conversation(prompt: str, model: ModelClient, settings: ModelSettings, tools: list[ToolSpec],
-                           schemas: list[dict], ctx: ToolContext, user: Simulator | None = None) -> Conversation:
+                           schemas: list[dict], ctx: ToolContext, user: Simulator | None = None,
+                           summarizer: Callable[[], ModelClient] | None = None) -> Conversation:
     """The agent's work on the prompt; with a simulated `user`, the whole episode: each final answer is
-    followed up by the user's next message, until it stops, or the agent's own limits end it."""
+    followed up by the user's next message, until it stops, or the agent's own limits end it.
+    `summarizer`: the prompt's summary model, for --context_budget's compactions."""
     started = time.monotonic()
     messages = start_messages(settings, prompt)
     conv = Conversation(messages, len(messages) - 1, tuple(t.name for t in tools), schemas)
+    if settings.context_budget and summarizer:
+        conv.window = context_budget.Window(settings.context_budget, settings.tokenizer, summarizer)
     offered = {t.name: t for t in tools}
     conv.user_model = user.model_name if user else ""
     while True:
@@ -96,11 +102,14 @@ async def _answer(conv: Conversation, model: ModelClient, settings: ModelSetting
     """One human turn's work: calls and tools until a reply without tool calls, or --max_turns calls and
     the forced final answer, or tool calls cut by the token limit."""
     messages = conv.messages
+    reply = None
     for turn in range(settings.max_turns + 1):
         final_call = turn == settings.max_turns
         if final_call:
             messages.append({"role": "user", "content": FINAL_ANSWER_REQUEST})
-        reply = await model.complete(messages, conv.tools, forbid_tools=final_call)
+        sent = messages if conv.window is None else await conv.window.fit(
+            messages, conv.tools, reply and reply.usage.get("prompt_tokens"), len(conv.replies))
+        reply = await model.complete(sent, conv.tools, forbid_tools=final_call)
         calls = conv.add_reply(reply, final_call)
         if not calls:
             conv.completed = not final_call
@@ -182,8 +191,12 @@ def render_row(task: Task, conv: Conversation, settings: ModelSettings, mcp_tool
     if with_ids:
         tok = tokenizer.load(settings.tokenizer) if settings.tokenizer else None
         metadata["token_ids"] = token_ids.row_metadata(settings.token_ids, tok, turn_ids)
+    if conv.window is not None:  # the requests sent shorter than the transcript, where and how (docs/compress.md)
+        metadata["compactions"] = conv.window.compactions
+        metadata["requests_over_budget"] = conv.window.over_budget
     if ids := [turn["tokens"] for turn in turns if "tokens" in turn]:  # --token_ids (trajgen/samples.py)
-        metadata.setdefault("token_ids", {}).update(samples.fields(ids))
+        compacted = {c["before_turn"] for c in conv.window.compactions} if conv.window else ()
+        metadata.setdefault("token_ids", {}).update(samples.fields(ids, compacted))
     return {
         "prompt_index": task.prompt_index, "metadata": metadata, "conversations": turns, "tools": conv.tools,
         "completed": conv.completed, "partial": not (conv.completed or conv.truncated), "truncated": conv.truncated,

@@ -30,7 +30,7 @@ out = _Stdout(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
-SECRET_FLAGS = ("--api_key", "--vision_api_key", "--user_api_key", "--judge_api_key")
+SECRET_FLAGS = ("--api_key", "--vision_api_key", "--user_api_key", "--judge_api_key", "--summary_api_key")
 KEY_VARIABLES = "OPENROUTER_API_KEY (or OPENAI_API_KEY)"
 
 

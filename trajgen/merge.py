@@ -51,6 +51,7 @@ class Tally:
     side: dict[str, "Tally"] = field(default_factory=dict)  # role -> what its side model paid (trajgen/roles.py)
     episodes: Counter = field(default_factory=Counter)  # a simulated user's episodes by how they ended
     user_turns: int = 0  # the simulated human turns of those episodes
+    compactions: int = 0  # --context_budget's (trajgen/context_budget.py)
 
     def add(self, row: dict) -> None:
         self.rows += 1
@@ -78,6 +79,7 @@ class Tally:
         if episode := meta.get("episode"):
             self.episodes[episode.get("ended")] += 1
             self.user_turns += episode.get("user_turns", 0)
+        self.compactions += len(meta.get("compactions") or ())
 
     def add_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -93,7 +95,7 @@ class Tally:
         total = Tally()
         for name in ("rows", "assistant_turns", "turns_with_reasoning", "api_calls",
                      "prompt_tokens", "completion_tokens", "reasoning_tokens", "replies_without_usage", "stalls",
-                     "rows_with_ids", "drift_turns"):
+                     "rows_with_ids", "drift_turns", "compactions"):
             setattr(total, name, getattr(self, name) + getattr(other, name))
         total.latency = {k: self.latency[k] + other.latency[k] for k in LATENCY_KEYS}
         total.side = {role: self.side.get(role, Tally()) + other.side.get(role, Tally())
@@ -399,6 +401,7 @@ def statistics(merged: Merged, header: dict) -> dict:
         **side_models(everything),  # the judge's section is the rewards' (rewards.py)
         **({"token_ids": {"rows_with_ids": everything.rows_with_ids, "drift_turns": everything.drift_turns,
                           **merged.samples.statistics()}} if everything.rows_with_ids else {}),
+        **({"compactions": everything.compactions} if everything.compactions else {}),
     }
 
 

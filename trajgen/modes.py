@@ -1,4 +1,4 @@
-"""Which of the runner's jobs the options ask for: a listing, an export, a comparison, several
+"""Which of the runner's jobs the options ask for: a listing, a compression, an export, a comparison, several
 models, the viewer, or one run. It sits above run.py and several_models.py, which runs run.py's runs."""
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def main(opts: RunOptions) -> int:
     if opts.list_tools:
         print(tool_check.listing(opts))
         return 0
+    if opts.compress:
+        from trajgen import compress
+        return compress.run(opts)
     if opts.export:
         return run.run_export(opts)
     if opts.rescore:

@@ -89,6 +89,8 @@ class RunOptions:
     compare: ListFlag = flag(None, "Compare finished runs prompt by prompt (comma list of run directories, or the directory of a --models run; see docs/compare.md), write comparison.json and comparison.html, and exit; with --view, serve the comparison.", group="output")
     compare_out: str | None = flag(None, "With --compare: where comparison.json and comparison.html go (default: the current directory).", group="output")
     models: ListFlag = flag(None, "Run the dataset against each of these models (comma list), one run directory each under <output_dir>/<run_name>/, then compare them.", group="endpoint")
+    compress: bool = flag(False, "Compress a finished run (--run_name) into <output_dir>/<run_name>_compressed/, and exit: each row over --compress_tokens has the fewest middle turns replaced by one summary by --summary_model (see docs/compress.md).", group="output")
+    compress_tokens: int = flag(15250, "With --compress: the tokens each row is brought to (at least 512).", group="output")
     view_port: int = flag(8765, "Port of --view on 127.0.0.1 (0: any free port).", minimum=0, group="output")
     dry_run: bool = flag(False, "Validate everything, send one tiny request, print the plan and a cost estimate; run nothing.", group="run", first_run=True)
     max_cost: float | None = flag(None, "Stop once this invocation has spent this many dollars (the cost the endpoint reports, else --price_per_mtok); refused before any prompt when the endpoint reports no cost.", minimum=0, group="limits")
@@ -97,7 +99,7 @@ class RunOptions:
     cache_dir: str | None = flag(None, "Cache of replies shared between runs (off by default): a request sent before, byte for byte (same model, sampling settings, system prompt, tools, history), gets its reply again without a call.", group="resume")
     cache_max_mb: float = flag(1024.0, "Size bound of --cache_dir in MB; the least recently used replies are deleted at the end of each run.", minimum=1, group="resume")
     token_ids: bool = flag(False, "Keep in every gpt turn the token ids and logprobs the server sampled (vLLM, SGLang, llama.cpp's llama-server; see docs/token_ids.md); an endpoint that sends none is refused before any prompt.", resume=True, group="output")
-    tokenizer: str | None = flag(None, "Hugging Face tokenizer (a local path or the local cache; nothing is downloaded) whose chat template retokenizes each request and reply: the ids of an endpoint that sends none, marked retokenized, or beside the server's to count the drift.", resume=True, group="output")
+    tokenizer: str | None = flag(None, "Hugging Face tokenizer (a local path or the local cache; nothing is downloaded). Its chat template retokenizes each request and reply: the ids of an endpoint that sends none, marked retokenized, or beside the server's to count the drift (docs/token_ids.md). It also counts tokens exactly for --compress and --context_budget (without it: 4 characters a token).", resume=True, group="output")
     verbose: bool = flag(False, "Print worker logs (tracebacks of failed prompts).", group="output")
     output_dir: str = flag("data", "Parent directory of run directories.", group="run")
     max_samples: int | None = flag(None, "Run only the first N valid prompts.", minimum=1, group="run")
@@ -106,6 +108,7 @@ class RunOptions:
     top_p: float | None = flag(None, "Nucleus sampling.", resume=True, provenance=True, group="sampling")
     max_tokens: int | None = flag(None, "Max tokens per completion.", minimum=1, resume=True, provenance=True, group="sampling")
     seed: int = flag(0, "Seed of the per-prompt toolset sampling.", resume=True, provenance=True, group="sampling")
+    context_budget: int | None = flag(None, "Tokens a request may hold: before one would exceed it, the middle of the conversation is replaced by one summary by --summary_model, and the row records it (see docs/compress.md).", minimum=512, resume=True, provenance=True, group="limits")
     max_retries: int = flag(10, "Retries per API call (429, 5xx, timeouts, connection errors; Retry-After is honoured).", minimum=0, group="limits")
     retry_budget: float = flag(300.0, "Seconds an API call may spend retrying before it fails its prompt.", minimum=0, group="limits")
     request_timeout: float = flag(1800.0, "Seconds an API request may take in all, a long generation that keeps streaming included.", minimum=0.001, group="limits")
@@ -133,6 +136,9 @@ class RunOptions:
     user_for_all: bool = flag(False, "With --user_model: rows without a \"user\" field get a simulated user too (its goal: the prompt).", group="run")
     ephemeral_system_prompt: str = flag("", "Appended to the system prompt at run time, never written to trajectories.", group="run")
     prefill_messages_file: str | None = flag(None, "JSON list of {role, content} messages sent before the prompt, not written.", group="run")
+    summary_model: str | None = flag(None, "Model that writes the summaries of --compress and --context_budget (default: the run's --model).", group="endpoint")
+    summary_base_url: str | None = flag(None, "OpenAI-compatible endpoint of --summary_model (default: the run's --base_url).", group="endpoint")
+    summary_api_key: str | None = flag(None, "Key for the summary endpoint (default: the run's key, sent only when the summary endpoint is the run's own).", group="endpoint")
     vision_model: str | None = flag(None, "Model for vision_analyze (default: --model).", group="tools")
     vision_base_url: str | None = flag(None, "OpenAI-compatible endpoint for vision_analyze (default: --base_url).", group="tools")
     vision_api_key: str | None = flag(None, "Key for the vision endpoint (default: the run's key, sent only when the vision endpoint is the run's own).", group="tools")
@@ -172,7 +178,8 @@ class RunOptions:
             retry_budget=float(self.retry_budget), request_timeout=float(self.request_timeout), prompt_timeout=self.prompt_timeout, extra_body=body,
             stream=self.stream, stall_timeout=float(self.stall_timeout), max_reply_bytes=int(self.max_reply_mb * (1 << 20)),
             price_per_mtok=self.prices(), reasoning_effort=effort, system_prompt=DEFAULT_SYSTEM_PROMPT,
-            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill, tokenizer=self.tokenizer)
+            ephemeral_system_prompt=self.ephemeral_system_prompt, prefill_messages=prefill, tokenizer=self.tokenizer,
+            context_budget=self.context_budget)
 
     def prices(self) -> tuple[float, float] | None:
         """--price_per_mtok as (input, output) dollars per million tokens: one number prices both."""
@@ -329,7 +336,7 @@ def check(opts: RunOptions) -> None:
         value = getattr(opts, f.name)
         if f.metadata["minimum"] is not None and isinstance(value, (int, float)) and value < f.metadata["minimum"]:
             raise UsageError(f"--{f.name} must be a number >= {f.metadata['minimum']}, got {value!r}")
-    check_urls(opts, ("base_url", "vision_base_url", "user_base_url"))
+    check_urls(opts, ("base_url", "vision_base_url", "user_base_url", "summary_base_url"))
     if opts.compare_out:
         raise UsageError("--compare_out goes with --compare (--models writes its comparison into <output_dir>/<run_name>/)")
     if opts.export_outcome and not opts.export:
@@ -353,7 +360,9 @@ def check(opts: RunOptions) -> None:
         raise UsageError(f"--dataset_file {opts.dataset_file}: no such file")
     if opts.tokenizer:  # loaded here, so that one that cannot be stops the run before any request
         from trajgen import tokenizer
-        tokenizer.load(opts.tokenizer)
+        if tokenizer.load(opts.tokenizer).chat_template_sha256 is None:
+            raise UsageError(f"--tokenizer={opts.tokenizer} cannot be used for a run: it has no chat template to "
+                             "render requests with")
 
 
 def signature() -> inspect.Signature:

@@ -85,7 +85,7 @@ def score(run_dir: Path, config: JudgeConfig, opts: RunOptions, only_unjudged: b
         stats = asyncio.run(run_jobs(jobs, settings=config.settings, journal_path=run_dir / JOURNAL,
                                      concurrency=opts.concurrency, cache_dir=opts.cache_dir, on_done=on_done,
                                      max_cost=max_cost, max_total_tokens=max_total_tokens,
-                                     cache_max_mb=opts.cache_max_mb))
+                                     cache_max_mb=opts.cache_max_mb, role="judge"))
     except EndpointUnreachable as e:
         raise judge.unreachable(config, e) from None
     finally:

@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import orjson
 
-from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, rescore, scheduler
-from trajgen import plan as plan_module, resume_scan, store
+from trajgen import console, dataset, dry_run, export, journal, local_model, merge, registry, rescore, roles
+from trajgen import plan as plan_module, resume_scan, scheduler, store
 from trajgen.distributions import DISTRIBUTIONS, TOOLSETS, Distribution, resolve as resolve_distribution, without
 from trajgen.errors import FatalAPIError, UsageError
 from trajgen.options import RunOptions, as_list, check as check_options, run_api_key
@@ -236,7 +236,9 @@ def execute(prepared: Prepared, sandbox: SandboxConfig, missing_images: dict[str
                           concurrency=worker_share(opts.concurrency, 1 if auto else opts.num_workers),
                           verbose=opts.verbose, cache_dir=opts.cache_dir, verify_timeout=opts.verify_timeout,
                           cache_max_mb=opts.cache_max_mb, mcp_tools=prepared.mcp_tools,
-                          user=opts.simulated_user(prepared.model), judge=judging, reward_from=opts.reward_from)
+                          user=opts.simulated_user(prepared.model), judge=judging, reward_from=opts.reward_from,
+                          summary=roles.settings_for(prepared.model, opts.summary_model, opts.summary_base_url,
+                                                     opts.summary_api_key) if opts.context_budget else None)
     workers = None if auto else min(opts.num_workers, prepared.plan.remaining)
     if opts.executor == "processes" or not prepared.plan.remaining:  # nothing to run: no worker, no Ray cluster
         pool = ProcessPool(workers or 0, config)

@@ -36,7 +36,7 @@ class SideStats:
 
 
 async def run_jobs(jobs: list[Job], *, settings: ModelSettings, journal_path: Path, concurrency: int,
-                   cache_dir: str | None, on_done: Callable[[Job, Reply | Exception], None], role: str = "judge",
+                   cache_dir: str | None, on_done: Callable[[Job, Reply | Exception], None], role: str,
                    max_cost: float | None = None, max_total_tokens: int | None = None,
                    cache_max_mb: float = 1024.0) -> SideStats:
     """Each job's reply (or the error that ended it) to `on_done`, in the order they finish. An endpoint

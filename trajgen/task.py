@@ -36,6 +36,7 @@ class ModelSettings:
     prefill_messages: list = field(default_factory=list)  # sent before the prompt, not written
     token_ids: Dialect | None = None  # --token_ids: how the server is asked for them, as the probe found it
     tokenizer: str | None = None  # --tokenizer: retokenize each request and reply with it (trajgen/tokenizer.py)
+    context_budget: int | None = None  # --context_budget: tokens a request may hold (trajgen/context_budget.py)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class WorkerConfig:
     user: SimulatedUser | None = None  # the simulated user, when --user_model is set
     judge: JudgeConfig | None = None  # each sample judged after its check (--judge_mode=sample)
     reward_from: str = "verify"  # which signal is a row's `reward` (trajgen/rewards.py)
+    summary: ModelSettings | None = None  # --context_budget's summary model (trajgen/roles.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,7 @@
 """--tokenizer=NAME_OR_PATH: a Hugging Face tokenizer from a local path or the local cache (nothing
-is downloaded at run time), for endpoints that send no token ids (OpenAI, OpenRouter,
-llama-cpp-python): its chat template renders each request as it was sent.
+is downloaded at run time): its chat template renders each request as it was sent, for endpoints
+that send no token ids (OpenAI, OpenRouter, llama-cpp-python), and it counts tokens exactly
+(--compress, --context_budget).
 
 transformers is imported only here and only when asked for: it costs every worker a second of
 CPU and no run without --tokenizer needs it. It renders templates without torch.
@@ -27,7 +28,8 @@ class Tokenizer:
 
 @functools.cache
 def load(name_or_path: str) -> Tokenizer:
-    """The tokenizer, once per process, or UsageError naming it (the run stops before any request)."""
+    """The tokenizer, once per process, or UsageError naming it (the job stops before any request). One
+    without a chat template only counts (a run refuses it: trajgen/options.py)."""
     try:
         from transformers import AutoTokenizer
         loaded = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
@@ -38,17 +40,23 @@ def load(name_or_path: str) -> Tokenizer:
         said = " ".join(str(e).split())[:300]
         raise UsageError(f"--tokenizer={name_or_path} cannot be loaded: {said}") from None
     template = loaded.chat_template if isinstance(loaded.chat_template, str) else None
-    if template is None:
-        raise UsageError(f"--tokenizer={name_or_path} cannot be loaded: it has no chat template to render "
-                         "requests with")
     revision = loaded.init_kwargs.get("_commit_hash")
     return Tokenizer(name_or_path, revision if isinstance(revision, str) else None,
-                     hashlib.sha256(template.encode()).hexdigest(), loaded)
+                     hashlib.sha256(template.encode()).hexdigest() if template else None, loaded)
 
 
 def count(tok: Tokenizer, text: str) -> int:
     """Tokens of `text` alone, without special tokens."""
     return len(tok.tokenizer.encode(text, add_special_tokens=False))
+
+
+def counts(tok: Tokenizer, texts: list[str]) -> list[int]:
+    """`count` of each text, in one call of the tokenizer (a row's turns: a call per text costs more than
+    the tokenizing)."""
+    if not texts:
+        return []
+    encoded = tok.tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+    return [len(ids) for ids in encoded["input_ids"]]
 
 
 def _rendered(tok: Tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
@@ -59,6 +67,8 @@ def _rendered(tok: Tokenizer, messages: list[dict], tools: list[dict] | None, ge
 
 def render(tok: Tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
     """The ids of a request's prompt: its messages and tools through the chat template, ready for the reply."""
+    if tok.chat_template_sha256 is None:
+        raise UsageError(f"--tokenizer={tok.name} has no chat template to render requests with")
     return _rendered(tok, messages, tools, True)
 
 

@@ -122,8 +122,10 @@ class Worker:
             model = (token_ids.Retokenizing(journaled, tokenizer.load(self.config.model.tokenizer))
                      if self.config.model.tokenizer else journaled)
             async with deadline:
-                conversation = await agent.run_conversation(task.prompt, model, self.config.model, tools,
-                                                            schemas, prompt.ctx, self._simulator(task, prompt))
+                summary = self.config.summary
+                conversation = await agent.run_conversation(
+                    task.prompt, model, self.config.model, tools, schemas, prompt.ctx, self._simulator(task, prompt),
+                    summary and (lambda: self.side_model(prompt, "summary", summary)))
             check = await self._verify(task, conversation, prompt)
             row = agent.render_row(task, conversation, self.config.model, tuple(t.name for t in self.config.mcp_tools),
                                    replayed=journaled.replayed, stalls=endpoint.stalls, check=check)
