@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from trajgen.sandbox import Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox, shares
+from trajgen.sandbox import (Sandbox, SandboxConfig, SandboxError, apptainer, cgroups, docker, modal_sandbox, shares,
+                             slots)
 from trajgen.sandbox.local import bwrap_problem, open_local
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
@@ -82,6 +83,7 @@ def cleanup(config: SandboxConfig) -> None:
 
     With `keep` the work dirs and containers stay: the user asked to inspect them afterwards.
     """
+    slots.drop(config)  # the uids, groups and PTY instances this process kept for its next sandboxes
     cgroups.remove(label=config.label)
     if config.run_id:  # the workers' browsers' (tools/browser.py): the run directory's lock makes them this session's
         cgroups.remove(run_id=config.run_id, label=f"{cgroups.BROWSER}-*")

@@ -6,7 +6,8 @@ Both hierarchies are supported, found at start: cgroup v2 (`/sys/fs/cgroup/cgrou
 where the runner's own cgroup must be able to hand `memory` and `pids` to children, and v1 with
 the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>` (and `freezer`,
 used where mounted, so that nothing forks while the group is killed). Groups live
-under the runner's own cgroup, as `trajgen-<run id>.<session label>/<key>`: the session's end
+under the runner's own cgroup, as `trajgen-<run id>.<session label>/<name>` (a sandbox's:
+`<worker pid>-<n>`, kept for the worker's next sandbox, slots.py): the session's end
 removes its own, and the next invocation of a run those a runner killed with -9 left. Where neither
 can be used (no root, a cgroup that is not delegated) `problem()` says why and the sandbox keeps
 only per-process limits.
