@@ -79,12 +79,17 @@ class Group:
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed for going over the memory limit so far."""
-        for d in self.dirs:
-            for name in ("memory.events", "memory.oom_control"):
-                if (d / name).exists():
-                    match = re.search(r"^oom_kill (\d+)", (d / name).read_text(), re.M)
-                    return int(match.group(1)) if match else 0
-        return 0
+        if self._oom_file is None:
+            return 0
+        with open(self._oom_file) as f:
+            match = re.search(r"^oom_kill (\d+)", f.read(), re.M)
+        return int(match.group(1)) if match else 0
+
+    @functools.cached_property
+    def _oom_file(self) -> str | None:
+        """Where the kernel counts them (v2, v1): read before and after every command, so found once."""
+        names = (d / name for d in self.dirs for name in ("memory.events", "memory.oom_control"))
+        return next((str(path) for path in names if path.exists()), None)
 
     def pids(self) -> set[int]:
         """The processes in the group now (a killed one leaves it as it dies, before it is reaped)."""

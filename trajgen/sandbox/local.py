@@ -69,8 +69,10 @@ def under(path: str, dirs: tuple[str, ...]) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def bwrap_system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
+@functools.cache
+def bwrap_system_binds() -> tuple[str, ...]:
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python; found
+    once per process, as part of every sandbox's options."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
@@ -80,7 +82,7 @@ def bwrap_system_binds() -> list[str]:
     prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
     if not under(prefix, SYSTEM_DIRS):
         args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
-    return args
+    return tuple(args)
 
 
 def passable_parents(path: str, skip: tuple[str, ...] = SYSTEM_DIRS) -> list[str]:
