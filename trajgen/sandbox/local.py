@@ -266,11 +266,11 @@ class LocalSandbox:
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
+        if not self.config.keep:  # detached first: its pages are no longer charged to the slot's group once its
+            roots.remove_work_dir(self.host_dir)  # processes are gone (give_back), when the next sandbox may take it
         slot, self._slot = self._slot, None
         if slot:
             slots.give_back(slot, self.config)
-        if not self.config.keep:
-            roots.remove_work_dir(self.host_dir)
 
 
 def _mount_point(cwd: str | None) -> str:
