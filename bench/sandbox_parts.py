@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import _kthreads_cpu
+from harness import CHILDREN, _kthreads_cpu
 from sections import SANDBOX_MICRO
 from trajgen.sandbox import SandboxConfig, cgroups, local, roots, shares, slots
 
@@ -76,6 +76,7 @@ class Variant:
         finally:
             for fd in fds:
                 os.close(fd)
+        CHILDREN.reap_adopted()  # bwrap's init, left to exit alone when bwrap ends by itself (supervisor.py)
         if slot:
             slots.give_back(slot, self.config)
         if group and self.group == "new":

@@ -34,17 +34,9 @@ def held(slot: slots.Slot) -> bool:
 
 def test_the_next_sandbox_gets_the_closed_ones_slot_with_nothing_of_it_left(config):
     first = open_sandbox(config, "p1")
-    argv, fds = first.process_argv(["sleep", "600"], {"PATH": "/usr/bin:/bin"})
-    server = subprocess.Popen(argv, pass_fds=fds)  # an MCP server's own bubblewrap, in the sandbox's group
-    for fd in fds:
-        os.close(fd)
-    deadline = time.monotonic() + 30
-    while server.pid not in first._group.pids() and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert arun(first.run("exec 3<>/dev/ptmx; ls /dev/pts | wc -l; echo mine > /tmp/left", 30)).output == "2\n"
     slot = first._slot
     arun(first.close())
-    assert server.wait(timeout=30) == -9  # the group was emptied before the slot was kept
     second = open_sandbox(config, "p2")
     assert second._slot == slot and second.uid == slot.uid and held(slot)
     result = arun(second.run("id -u; ls -A /dev/pts /tmp", 30))
@@ -52,6 +44,20 @@ def test_the_next_sandbox_gets_the_closed_ones_slot_with_nothing_of_it_left(conf
     arun(second.close())
     cleanup(config)
     assert not held(slot) and not slot.group.dirs[0].exists() and not os.path.ismount(slot.pts)
+
+
+def test_a_slot_is_kept_only_once_its_mcp_servers_are_killed(config):
+    first = open_sandbox(config, "p1")
+    argv, fds = first.process_argv(["sleep", "600"], {"PATH": "/usr/bin:/bin"})
+    server = subprocess.Popen(argv, pass_fds=fds)  # an MCP server's own bubblewrap, in the sandbox's group
+    for fd in fds:
+        os.close(fd)
+    deadline = time.monotonic() + 30
+    while server.pid not in first._group.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    slot = first._slot
+    arun(first.close())
+    assert slot in slots._spares[config] and server.wait(timeout=30) == -9  # killed before the slot was kept
 
 
 def test_a_pty_held_outside_the_sandbox_keeps_its_instance_from_being_reused(config):
@@ -80,3 +86,23 @@ def test_nothing_is_kept_for_kept_sandboxes(config):
         arun(second.close())
     finally:
         cleanup(config)
+
+
+def test_a_group_still_counting_an_unreaped_task_is_not_reused(config):
+    """bubblewrap's init, killed with the rest of the group, is an orphan only the host's init reaps:
+    until then it holds one of the group's processes, which a reused group would lose for good."""
+    first = open_sandbox(config, "p1")
+    slot = first._slot
+    arun(first.close())
+    enter = "; ".join(f"echo $$ > {f}" for f in slot.group.procs_files)
+    unreaped = subprocess.Popen(["sh", "-c", enter])  # exits at once, left a zombie until waited for
+    deadline = time.monotonic() + 30
+    while slot.group.counted_tasks() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert slot.group.pids() == set() and slot.group.counted_tasks() == 1
+        second = open_sandbox(config, "p2")
+        assert second._slot.group != slot.group and second._slot.pts != slot.pts
+        arun(second.close())
+    finally:
+        unreaped.wait()

@@ -85,6 +85,15 @@ class Group:
             match = re.search(r"^oom_kill (\d+)", f.read(), re.M)
         return int(match.group(1)) if match else 0
 
+    def counted_tasks(self) -> int:
+        """The tasks its pids limit counts: those not yet reaped too (an orphan that only the host's
+        init reaps, bubblewrap's own init killed with it), which cgroup.procs no longer lists."""
+        return sum(int(Path(f).read_text()) for f in self._pids_files)
+
+    @functools.cached_property
+    def _pids_files(self) -> list[str]:
+        return [str(d / "pids.current") for d in self.dirs if (d / "pids.current").exists()]
+
     @functools.cached_property
     def _oom_file(self) -> str | None:
         """Where the kernel counts them (v2, v1): read before and after every command, so found once."""

@@ -8,7 +8,9 @@ PTY instance are what the next sandbox would get fresh: the lowest free uid goes
 sandbox anyway, an empty group keeps only reclaimable page cache charged to it, and nothing in a
 sandbox can change a group's limits (no /sys there) or an instance's options. Without a cgroup
 nothing proves the processes gone, so nothing is kept; nor with --keep_sandboxes, whose kept work
-dirs stay charged to their group.
+dirs stay charged to their group. An MCP server's bubblewrap killed with its group leaves its init
+to the host's init to reap; until then the group counts it against its process limit, and is not
+reused (a new slot is made, as before slots).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def take(config: SandboxConfig) -> Slot:
     spares = _spares.setdefault(config, [])
     while True:
         try:
-            slot = spares.pop()  # sandboxes open in threads: no check-then-pop
+            slot = spares.pop(0)  # the longest kept, its orphans the likeliest reaped; in threads: no check-then-pop
         except IndexError:
             break
         if _intact(slot):
@@ -88,10 +90,11 @@ def drop(config: SandboxConfig) -> None:
 
 
 def _intact(slot: Slot) -> bool:
-    """Whether the slot is as it was left: its group still there (a session's cleanup removes them),
-    its instance mounted with no PTY in it (one passed out of the sandbox, held elsewhere, would be)."""
+    """Whether the slot is as it was left: its group still there (a session's cleanup removes them)
+    and counting no task (an unreaped one would hold a share of its process limit for good), its
+    instance mounted with no PTY in it (one passed out of the sandbox, held elsewhere, would be)."""
     try:
-        return (slot.group is not None and slot.group.dirs[0].is_dir() and os.path.ismount(slot.pts)
-                and os.listdir(slot.pts) == ["ptmx"])
+        return (slot.group is not None and slot.group.dirs[0].is_dir() and slot.group.counted_tasks() == 0
+                and os.path.ismount(slot.pts) and os.listdir(slot.pts) == ["ptmx"])
     except OSError:
         return False
