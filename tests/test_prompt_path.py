@@ -39,7 +39,7 @@ def test_the_row_is_rendered_with_the_replayed_calls_the_stalls_and_the_check():
     row = agent.render_row(TASK, conversation, SETTINGS, replayed=2, stalls=1, check=check)
     assert (row["metadata"]["usage"]["replayed"], row["metadata"]["usage"]["stalls"]) == (2, 1)
     assert row["verify"] == {"status": "passed", "command": "test -f a", "exit_code": 0, "seconds": 0.25,
-                             "output": "", "error": None}
+                             "output": "", "error": None, "reward": None}
 
 
 def test_a_journal_written_before_still_replays():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 
-from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, Sandbox, SandboxConfig, SandboxError, cgroups, shares
+from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, Sandbox, SandboxConfig, SandboxError, cgroups, shares, slots
 from trajgen.sandbox.local import bwrap_problem
 from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
 
@@ -67,6 +67,7 @@ def cleanup(config: SandboxConfig) -> None:
 
     With `keep` the work dirs and containers stay: the user asked to inspect them afterwards.
     """
+    slots.drop(config)  # the uids, groups and PTY instances this process kept for its next sandboxes
     cgroups.remove(label=config.label)
     if config.run_id:  # the workers' browsers' (tools/browser.py): the run directory's lock makes them this session's
         cgroups.remove(run_id=config.run_id, label=f"{cgroups.BROWSER}-*")

@@ -6,7 +6,8 @@ Both hierarchies are supported, found at start: cgroup v2 (`/sys/fs/cgroup/cgrou
 where the runner's own cgroup must be able to hand `memory` and `pids` to children, and v1 with
 the `memory`, `pids` and `cpu` controllers mounted at `/sys/fs/cgroup/<controller>` (and `freezer`,
 used where mounted, so that nothing forks while the group is killed). Groups live
-under the runner's own cgroup, as `trajgen-<run id>.<session label>/<key>`: the session's end
+under the runner's own cgroup, as `trajgen-<run id>.<session label>/<name>` (a sandbox's:
+`<worker pid>-<n>`, kept for the worker's next sandbox, slots.py): the session's end
 removes its own, and the next invocation of a run those a runner killed with -9 left. Where neither
 can be used (no root, a cgroup that is not delegated) `problem()` says why and the sandbox keeps
 only per-process limits.
@@ -78,12 +79,26 @@ class Group:
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed for going over the memory limit so far."""
-        for d in self.dirs:
-            for name in ("memory.events", "memory.oom_control"):
-                if (d / name).exists():
-                    match = re.search(r"^oom_kill (\d+)", (d / name).read_text(), re.M)
-                    return int(match.group(1)) if match else 0
-        return 0
+        if self._oom_file is None:
+            return 0
+        with open(self._oom_file) as f:
+            match = re.search(r"^oom_kill (\d+)", f.read(), re.M)
+        return int(match.group(1)) if match else 0
+
+    def counted_tasks(self) -> int:
+        """The tasks its pids limit counts: those not yet reaped too (an orphan that only the host's
+        init reaps, bubblewrap's own init killed with it), which cgroup.procs no longer lists."""
+        return sum(int(Path(f).read_text()) for f in self._pids_files)
+
+    @functools.cached_property
+    def _pids_files(self) -> list[str]:
+        return [str(d / "pids.current") for d in self.dirs if (d / "pids.current").exists()]
+
+    @functools.cached_property
+    def _oom_file(self) -> str | None:
+        """Where the kernel counts them (v2, v1): read before and after every command, so found once."""
+        names = (d / name for d in self.dirs for name in ("memory.events", "memory.oom_control"))
+        return next((str(path) for path in names if path.exists()), None)
 
     def pids(self) -> set[int]:
         """The processes in the group now (a killed one leaves it as it dies, before it is reaped)."""

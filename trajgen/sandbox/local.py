@@ -4,7 +4,8 @@ Only system dirs are visible (read-only); the work dir is the one writable place
 private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespaces, a scrubbed
 environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
 filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
-memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs,
+memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs
+(the three kept for the worker's next sandbox once its processes are gone: slots.py),
 and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
 commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
 work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
@@ -27,8 +28,7 @@ import tempfile
 import threading
 from typing import AsyncIterator
 
-from trajgen import locks
-from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares
+from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares, slots
 from trajgen.sandbox.binds import SYSTEM_DIRS, passable_parents, under
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
@@ -63,8 +63,10 @@ def prlimit_argv(config: SandboxConfig) -> list[str]:
             f"--nofile={shares.open_files(config.slots, config.max_processes)}", "--"]
 
 
-def bwrap_system_binds() -> list[str]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python."""
+@functools.cache
+def bwrap_system_binds() -> tuple[str, ...]:
+    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python; found
+    once per process, as part of every sandbox's options."""
     args: list[str] = []
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
@@ -74,7 +76,7 @@ def bwrap_system_binds() -> list[str]:
     prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
     if not under(prefix, SYSTEM_DIRS):
         args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
-    return args
+    return tuple(args)
 
 
 def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
@@ -170,15 +172,16 @@ def _bwrap_problem() -> str | None:
 class LocalSandbox:
     """A prompt's host work dir, shown to commands at `cwd`; isolated by bwrap unless allowed not to be."""
 
-    def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool, uid: int = NOBODY,
-                 uid_lock: int | None = None, group: cgroups.Group | None = None, pts: str | None = None) -> None:
+    def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool,
+                 slot: slots.Slot | None = None) -> None:
         self.config = config
         self.host_dir = host_dir
         self.cwd = cwd
         self.isolated = isolated
-        self.uid = uid
-        self._uid_lock, self._group, self._pts = uid_lock, group, pts
-        self.files = WorkDir(host_dir, cwd, uid if isolated and os.geteuid() == 0 else None)
+        self.uid = slot.uid if slot else NOBODY
+        self._slot = slot
+        self._group, self._pts = (slot.group, slot.pts) if slot else (None, None)
+        self.files = WorkDir(host_dir, cwd, self.uid if slot else None)
 
         self._supervisor = Supervisor(self._start) if isolated else None
 
@@ -246,17 +249,11 @@ class LocalSandbox:
         await asyncio.to_thread(self._close)
 
     def _close(self) -> None:
-        if self._group:
-            self._group.remove()
-            self._group = None
-        if self._pts:
-            roots.remove_work_dir(self._pts)
-            self._pts = None
-        if not self.config.keep:
-            roots.remove_work_dir(self.host_dir)
-        if self._uid_lock is not None:
-            locks.release(self._uid_lock)
-            self._uid_lock = None
+        if not self.config.keep:  # detached first: its pages are no longer charged to the slot's group once its
+            roots.remove_work_dir(self.host_dir)  # processes are gone (give_back), when the next sandbox may take it
+        slot, self._slot = self._slot, None
+        if slot:
+            slots.give_back(slot, self.config)
 
 
 def _mount_point(cwd: str | None) -> str:
@@ -281,20 +278,16 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
         raise SandboxError("no sandbox root: SandboxConfig.root_dir must be set (roots.new_root_dir)")
     point = _mount_point(cwd)
     isolated = problem is None
-    uid, uid_lock = roots.take_uid() if isolated and os.geteuid() == 0 else (NOBODY, None)
-    group = pts = None
+    slot = None
     try:  # a kept work dir must outlive the run as a plain directory
-        host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, uid if uid_lock is not None else None,
+        slot = slots.take(config) if isolated and os.geteuid() == 0 else None
+        host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, slot.uid if slot else None,
                                       sized=isolated and not config.keep)
-        if uid_lock is not None:
-            pts = roots.new_devpts(config.root_dir, key, shares.ptys(config.slots))
-        if isolated and cgroups.problem() is None:
-            group = cgroups.create(config.run_id, config.label, key, config.memory_mb << 20, config.max_processes)
     except (OSError, ValueError) as e:
-        if uid_lock is not None:
-            locks.release(uid_lock)
+        if slot:
+            slots.free(slot)
         raise SandboxError(f"cannot prepare the sandbox of {key}: {getattr(e, 'strerror', None) or e}") from e
-    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, uid, uid_lock, group, pts)
+    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, slot)
 
 
 def limit_notices() -> list[str]:

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""What each part of a fresh local sandbox costs in CPU: bubblewrap's namespaces, the network
+namespace, the mounts, the seccomp filter, the loop's uid (setpriv), the devpts instance and the
+cgroup, each made per sandbox or kept (slots.py), and the runner's own Python.
+
+    sudo python bench/sandbox_parts.py --sandboxes=200 --rounds=5
+
+Every variant runs `bash -c 'echo hi'` through the sandbox's real bwrap options (local.py), one at a
+time, in rounds that interleave the variants so each sees the same machine; a part's cost is the
+difference between two variants. CPU is this process's and its children's (getrusage) plus kernel
+threads' (namespaces and cgroups are torn down there): the machine's own figure counts everyone's
+jobs on a shared machine. `python` is the runner's side of a whole fresh sandbox (SANDBOX_MICRO in
+bench/sections.py, `fresh`, 1 in flight): its process alone, its cgroup and devpts work included.
+Needs root (uids, cgroups, devpts instances). Prints medians, ms of CPU per sandbox.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import CHILDREN, _kthreads_cpu
+from sections import SANDBOX_MICRO
+from trajgen.sandbox import SandboxConfig, cgroups, local, roots, shares, slots
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = ["bash", "-c", "echo hi"]
+MINIMAL = ["--dev-bind", "/", "/"]  # one recursive bind, nothing remounted: namespaces without the mounts
+
+
+def cpu() -> float:
+    """CPU seconds so far of this process, its reaped children and every kernel thread."""
+    mine = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(r.ru_utime + r.ru_stime for r in mine) + _kthreads_cpu()
+
+
+class Variant:
+    """One way of running the command: which of the sandbox's parts it has."""
+
+    def __init__(self, config: SandboxConfig, host_dir: str, uid: int, *, bwrap: bool = True, net: bool = True,
+                 mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = ""):
+        self.config, self.host_dir, self.uid = config, host_dir, uid
+        self.bwrap, self.net, self.mounts, self.seccomp, self.setpriv = bwrap, net, mounts, seccomp, setpriv
+        self.pts, self.group = pts, group  # "", "new" (made and removed per sandbox) or "kept" (slots.py)
+
+    def once(self) -> None:
+        if not self.bwrap:
+            subprocess.run(COMMAND, stdout=subprocess.DEVNULL, check=True)
+            return
+        slot = slots.take(self.config) if "kept" in (self.pts, self.group) else None
+        pts = (slot.pts if self.pts == "kept" else
+               roots.new_devpts(self.config.root_dir, "bench", 48) if self.pts else None)
+        group = (slot.group if self.group == "kept" else
+                 cgroups.create("", "bench-parts", "g", 1 << 32, 512) if self.group else None)
+        argv, fds = local.bwrap_argv(self.host_dir, "/workspace", not self.net, 1024, self.uid, COMMAND, pts)
+        options = Path(f"/proc/self/fd/{fds[1]}").read_bytes().split(b"\0")[:-1]
+        os.close(fds.pop())
+        options = [o.decode() for o in options]
+        if not self.seccomp:
+            at = options.index("--seccomp")
+            del options[at:at + 2]
+            os.close(fds.pop())
+        if not self.mounts:
+            start, end = 0, options.index("--unshare-ipc")
+            options[start:end] = [*MINIMAL, "--chdir", "/"]
+        argv = ["bwrap", *options, "--", *(argv[4:] if self.setpriv else COMMAND)]
+        if group:
+            argv = ["sh", "-c", local.ENTER_CGROUP, "sh", *group.procs_files, "--", *argv]
+        try:
+            subprocess.run(argv, pass_fds=fds, stdout=subprocess.DEVNULL, check=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        CHILDREN.reap_adopted()  # bwrap's init, left to exit alone when bwrap ends by itself (supervisor.py)
+        if slot:
+            slots.give_back(slot, self.config)
+        if group and self.group == "new":
+            group.remove()
+        if pts and self.pts == "new":
+            roots.remove_work_dir(pts)
+
+
+def python_side(tree: Path, sandboxes: int) -> float:
+    """The runner process's own CPU per fresh sandbox (SANDBOX_MICRO's `self_cpu_s`), run from `tree`."""
+    out = subprocess.run([sys.executable, "-c", SANDBOX_MICRO, "fresh", "1", str(sandboxes)], cwd=tree,
+                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return 1000 * json.loads(out.stdout)["self_cpu_s"] / sandboxes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sandboxes", type=int, default=200, help="sandboxes per variant and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", type=Path, help="a checkout of the code before, for the Python side's figure")
+    args = parser.parse_args()
+    root = roots.new_root_dir()
+    config = SandboxConfig(root_dir=root, label="bench-parts")
+    uid, lock = roots.take_uid()
+    host_dir = roots.new_work_dir(root, "w", 64, uid, sized=True)
+    make = lambda **parts: Variant(config, host_dir, uid, **parts)  # noqa: E731
+    variants = {
+        "bash -c alone": make(bwrap=False),
+        "bwrap: pid, ipc, uts, cgroup namespaces": make(net=False, mounts=False, seccomp=False, setpriv=False),
+        "+ network namespace": make(mounts=False, seccomp=False, setpriv=False),
+        "+ mounts": make(seccomp=False, setpriv=False),
+        "+ seccomp": make(setpriv=False),
+        "+ the loop's uid (setpriv)": make(),
+        "+ devpts, new per sandbox": make(pts="new"),
+        "+ devpts, kept": make(pts="kept"),
+        "+ cgroup, new per sandbox": make(group="new"),
+        "+ cgroup, kept": make(group="kept"),
+        "+ devpts and cgroup, new (before)": make(pts="new", group="new"),
+        "+ devpts and cgroup, kept (after)": make(pts="kept", group="kept"),
+    }
+    figures: dict[str, list[float]] = {name: [] for name in variants}
+    trees = {"python, before": args.before, "python, after": ROOT} if args.before else {"python": ROOT}
+    figures.update({name: [] for name in trees})
+    try:
+        for _ in range(args.rounds):
+            for name, variant in variants.items():
+                start = cpu()
+                for _ in range(args.sandboxes):
+                    variant.once()
+                figures[name].append(1000 * (cpu() - start) / args.sandboxes)
+            for name, tree in trees.items():
+                figures[name].append(python_side(tree, args.sandboxes))
+    finally:
+        slots.drop(config)
+        cgroups.remove(label="bench-parts")
+        roots.remove_root(root)
+        roots.release_root(root)
+    for name, values in figures.items():
+        print(f"{name:45s} {statistics.median(values):6.2f} ms  ({min(values):.2f}-{max(values):.2f})")
+    print(f"load average {os.getloadavg()[0]:.1f}; PTY share {shares.ptys(config.slots)}")
+
+
+if __name__ == "__main__":
+    main()
