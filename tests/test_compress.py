@@ -99,6 +99,21 @@ def test_a_second_invocation_pays_no_summary_again(inline, finished):
     assert (stats["summary_calls_this_invocation"], stats["summary_calls_replayed"], stats["compressed"]) == (0, 2, 2)
 
 
+def test_a_spend_limit_stops_the_summaries_and_the_same_command_goes_on(inline, finished):
+    server, tok = finished
+    limited = compress(inline, f"--compress_tokens={TARGET}", f"--tokenizer={tok}", "--max_total_tokens=1",
+                       "--concurrency=1")
+    assert limited.returncode == 3 and "a spend limit was reached: 1 summary call(s) not made" in limited.stderr
+    assert len(summary_requests(server)) == 1 and "summary call failed" not in limited.stderr
+    stats = json.loads((inline.run_dir("run_compressed") / "statistics.json").read_text())["compression"]
+    assert (stats["compressed"], stats["not_summarized"], stats["summary_failed"]) == (1, 1, 0)
+    again = compress(inline, f"--compress_tokens={TARGET}", f"--tokenizer={tok}")
+    assert again.returncode == 0, again.stderr
+    assert len(summary_requests(server)) == 2  # the first summary replayed from the journal, not paid again
+    stats = json.loads((inline.run_dir("run_compressed") / "statistics.json").read_text())["compression"]
+    assert (stats["summary_calls_this_invocation"], stats["summary_calls_replayed"], stats["compressed"]) == (1, 1, 2)
+
+
 def test_a_failed_summary_leaves_its_row_as_it_was_counted_and_named(inline, finished):
     server, tok = finished
     server.set_script(script(fail_summary_of="v1 v1 v1"))
@@ -166,15 +181,15 @@ def test_bad_input_exits_2_before_any_request(inline, finished, flags, said):
     assert server.stats()["requests"] == sent and not inline.run_dir("run_compressed").exists()
 
 
-def test_compress_from_the_command_line(cli, scripted_server, tmp_path):
-    """The real CLI: a run, then --compress (no tokenizer: the estimate), as a user would."""
+def test_compress_with_the_estimate_and_no_tokenizer(inline, scripted_server, tmp_path):
+    """A run, then --compress (no tokenizer: the estimate), as a user would."""
     server = scripted_server(script())
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "long"}])
-    assert cli.run(*cli.args(server, max_turns=10)).returncode == 0
-    done = cli.run("--compress", "--run_name=run", "--compress_tokens=1000")
+    assert inline.run(*inline.args(server, max_turns=10)).returncode == 0
+    done = compress(inline, "--compress_tokens=1000")
     assert done.returncode == 0, done.stderr
     assert "1 compressed" in done.stdout and len(summary_requests(server)) == 1
-    row = read_jsonl(cli.run_dir("run_compressed") / "trajectories.jsonl")[0]
+    row = read_jsonl(inline.run_dir("run_compressed") / "trajectories.jsonl")[0]
     assert row["metadata"]["compression"]["tokens_after"] <= 1000 < row["metadata"]["compression"]["tokens_before"]
 
 

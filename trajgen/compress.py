@@ -141,7 +141,7 @@ def run(opts: RunOptions) -> int:
     _say(target_dir, stats["compression"])
     if paid.not_run:
         console.notice(f"a spend limit was reached: {paid.not_run} summary call(s) not made, their rows kept "
-                       "uncompressed; the same command goes on")
+                       "uncompressed (not_summarized); the same command goes on")
         return 3
     return 0
 
@@ -183,8 +183,10 @@ def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, cou
                                 "status": "compressed" if after <= opts.compress_tokens else "over_target"}
                     add_usage(usage, reply.usage)
                     usage["api_calls"] += 1
+                elif reply is None:  # a spend limit left its call unmade
+                    metrics["status"] = "not_summarized"
                 else:
-                    failed[key] = " ".join(str(reply or "no reply").split())[:300]
+                    failed[key] = " ".join(str(reply).split())[:300]
                     metrics["status"] = "summary_failed"
             else:
                 metrics["status"] = {compaction.Fits: "under_target", compaction.Unreachable: "over_target",
@@ -206,6 +208,7 @@ def _write(source: Path, target_dir: Path, manifest: dict, opts: RunOptions, cou
             "rows": sum(status.values()), "compressed": status["compressed"], "under_target": status["under_target"],
             "still_over_target": status["over_target"], "orphan_tool_calls": status["orphan_tool_call"],
             "summary_failed": status["summary_failed"], "summary_failed_rows": failed,
+            "not_summarized": status["not_summarized"],
             "tokens_before": before_total, "tokens_after": after_total,
             "compression_ratio": round(after_total / before_total, 4) if before_total else None,
             "summary_tokens": {"prompt": usage["prompt_tokens"], "completion": usage["completion_tokens"]},
