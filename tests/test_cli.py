@@ -12,7 +12,7 @@ from trajgen import export
 from trajgen.errors import UsageError
 
 ROW_KEYS = {"prompt_index", "conversations", "metadata", "completed", "partial", "truncated", "api_calls",
-            "toolsets_used", "tool_stats", "tool_error_counts", "tools", "verify"}
+            "toolsets_used", "tool_stats", "tool_error_counts", "tools", "verify", "reward"}
 
 
 def test_multi_turn_run_writes_the_four_kinds_of_files(cli, scripted_server):
