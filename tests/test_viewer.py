@@ -19,6 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from tests.conftest import CLI, call, read_jsonl, think, write_jsonl
+from tests.support.inline import Inline
 from tests.support.scripted_server import start_server
 from trajgen.viewer.index import RunIndex
 from trajgen.viewer.summary import summarize
@@ -222,7 +223,7 @@ def test_keyboard_moves_between_rows_and_pages_of_the_list(url, page):
 
 def test_the_report_opens_without_any_request_but_its_own_file(made, browser):
     cli, _, stats = made
-    done = cli.run("--report", "--run_name=run")
+    done = Inline(cli.cwd).run("--report", "--run_name=run")
     assert done.returncode == 0, done.stderr
     report = cli.run_dir() / "report.html"
     context = browser.new_context()
@@ -284,7 +285,7 @@ def test_the_page_opens_from_the_printed_url_alone_then_by_its_cookie(url, page)
 
 
 def test_usage_errors_are_one_line(made, tmp_path):
-    cli = made[0]
+    cli = Inline(made[0].cwd)
     for flags, message in [(["--view"], "--view needs --run_name"), (["--report", "--run_name=nope"], "no such run directory"),
                            (["--view", "--run_name=run", "--view_port=70000"], "--view_port must be")]:
         done = cli.run(*flags)
