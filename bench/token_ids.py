@@ -7,8 +7,10 @@ A vLLM-shaped loopback server (tests/support/token_servers.py, its own process) 
 reply one token a chunk, as vLLM does: 1,000 chunks, each with its `token_ids` piece and its
 `logprobs.content` entry when the run asks for them, at 1,000 tokens a second (--pace; a real
 server is slower still), so that both arms read the stream in the same pieces whatever the
-server's own CPU. Each prompt is one call. The runs alternate
-(without, with) so that the machine's load spreads over both; CPU is getrusage of the CLI and all
+server's own CPU. Each prompt is one call. A third arm runs without the flag against a server that
+sends the ids all the same: what their bytes cost a runner that does not read them, the floor of
+any reading. The runs alternate (without, ids sent but not read, with) so that the machine's load
+spreads over them; CPU is getrusage of the CLI and all
 its descendants (the fork server and its workers adopted: bench/harness.py), net of one
 invocation's fixed cost measured the same way with one prompt. Prints the figures; the section
 between `<!-- token-ids -->` and `<!-- /token-ids -->` of bench/RESULTS.md is written by hand.
@@ -31,14 +33,15 @@ from harness import (CHILDREN, OUT, ROOT, _drop, _env, _fresh, _readline_with_ti
 
 TOKENS = 1000
 harness.QUIET["max_wait"] = 10.0  # eight jobs share this machine: it is never quiet for long
-ARMS = {"without": (), "with --token_ids": ("--token_ids",)}
+WITHOUT, SENT, WITH = "without", "ids sent, not read", "with --token_ids"
+ARMS = {WITHOUT: (), SENT: (), WITH: ("--token_ids",)}  # SENT: against a server that sends the ids unasked
 
 
 class TokenServer(harness.Server):
     """harness.Server's process, serving ids as vLLM does instead of a script."""
 
-    def __init__(self, tokens: int, pace: float):
-        self.tokens, self.pace = tokens, pace
+    def __init__(self, tokens: int, pace: float, always_ids: bool = False):
+        self.tokens, self.pace, self.always_ids = tokens, pace, always_ids
         OUT.mkdir(parents=True, exist_ok=True)
         self.log = open(OUT / "server-token-ids.log", "ab")
         self.restarts = 0
@@ -46,8 +49,9 @@ class TokenServer(harness.Server):
 
     def start(self) -> None:
         self.proc = CHILDREN.start([sys.executable, "-m", "tests.support.token_servers", "--kind=vllm",
-                                    f"--tokens={self.tokens}", f"--pace={self.pace}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
-                                   env=_env())
+                                    f"--tokens={self.tokens}", f"--pace={self.pace}",
+                                    *(["--always_ids"] if self.always_ids else [])],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=_env())
         line = _readline_with_timeout(self.proc, 30)
         if not line.startswith("READY http://127.0.0.1:"):
             CHILDREN.stop(self.proc)
@@ -55,7 +59,7 @@ class TokenServer(harness.Server):
         self.url = line.split(" ", 1)[1].strip()
 
 
-def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
+def call_path(urls: dict[str, str], rounds: int, calls: int) -> dict[str, list[float]]:
     """CPU (this process's) per call of the chat call alone, Endpoint.call and the reply's check, in
     rounds alternating without and with the ids: the part of the runner the ids change, with less of
     the noise a whole run on a shared machine has."""
@@ -66,8 +70,8 @@ def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
     from trajgen.model import checked
     from trajgen.task import ModelSettings
 
-    plain = ModelSettings(model="bench", base_url=url, api_key="dummy")
-    asking = replace(plain, token_ids=token_ids.Dialect(token_ids.VLLM))
+    plain = {arm: ModelSettings(model="bench", base_url=url, api_key="dummy") for arm, url in urls.items()}
+    settings = {**plain, WITH: replace(plain[WITH], token_ids=token_ids.Dialect(token_ids.VLLM))}
     messages = [{"role": "user", "content": "bench prompt: say done"}]
 
     async def one(endpoint: chat_calls.Endpoint, body: bytes) -> None:
@@ -78,7 +82,7 @@ def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
 
     async def measure(settings: ModelSettings) -> float:
         endpoint = chat_calls.Endpoint(settings, connections=calls)
-        body = chat_calls.request_body(settings, messages, None)
+        body = chat_calls.request_body(settings, chat_calls.request_args(settings, messages, None))
         await asyncio.gather(*(one(endpoint, body) for _ in range(calls)))  # the connections opened
         started = time.process_time()
         await asyncio.gather(*(one(endpoint, body) for _ in range(calls)))  # in flight together, as in a run
@@ -87,9 +91,41 @@ def call_path(url: str, rounds: int, calls: int) -> dict[str, list[float]]:
 
     found: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for _ in range(rounds):
-        for arm, settings in zip(ARMS, (plain, asking)):
-            found[arm].append(asyncio.run(measure(settings)))
+        for arm in ARMS:
+            found[arm].append(asyncio.run(measure(settings[arm])))
     return found
+
+
+def _change(figures: dict[str, float], arm: str) -> str:
+    return f"{100 * (figures[arm] / figures[WITHOUT] - 1):+.1f}%"
+
+
+def whole_runs(servers: dict[str, TokenServer], n: int, repeats: int) -> None:
+    """Whole CLI runs of `n` prompts per arm, `repeats` times, arms alternating."""
+    data, one = dataset(n), dataset(1)
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}  # ms per call, net of the fixed cost
+    server_cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    busy: list[float] = []
+    for rep in range(repeats):
+        for arm, flags in ARMS.items():
+            server, runs = servers[arm], {}
+            for size, prompts in ((1, one), (n, data)):
+                name = f"token-ids-{list(ARMS).index(arm)}-n{size}-r{rep}"
+                _fresh(name)
+                runs[size] = run_cli(cli_argv(prompts, name, server.url, 2, 16, flags=flags), name, size, server,
+                                     timeout=1800, sample_rss=False)
+                _drop(name, harness.KEEP_RUNS)
+            per_call = 1000 * (runs[n].cpu_s - runs[1].cpu_s) / (n - 1)
+            cpu[arm].append(per_call)
+            server_cpu[arm].append(1000 * runs[n].server_cpu_s / n)
+            busy.append(runs[n].machine_busy or 0.0)
+            say(f"{arm} r{rep}: {per_call:.2f} ms CPU/call (runner), server {server_cpu[arm][-1]:.2f} ms/call, "
+                f"machine {100 * (runs[n].machine_busy or 0):.0f}% busy")
+    medians = {arm: round(statistics.median(values), 2) for arm, values in cpu.items()}
+    say(f"median runner CPU per call: {medians}: with --token_ids {_change(medians, WITH)} (target <= +10%), "
+        f"ids sent, not read {_change(medians, SENT)}; per run {cpu}; server per call "
+        f"{ {arm: round(statistics.median(v), 2) for arm, v in server_cpu.items()} }; machine busy "
+        f"{min(busy):.0%}-{max(busy):.0%}")
 
 
 def main() -> int:
@@ -100,42 +136,17 @@ def main() -> int:
     parser.add_argument("--pace", type=float, default=0.01,
                         help="seconds between each ten chunks (0.01: 1,000 tokens/s; 0: every chunk at once)")
     args = parser.parse_args()
-    if args.rounds:
-        with TokenServer(TOKENS, args.pace) as server:
-            alone = call_path(server.url, args.rounds, 20)
-        lows = {arm: min(v) for arm, v in alone.items()}
-        mids = {arm: statistics.median(v) for arm, v in alone.items()}
-        say(f"call path alone, CPU per call: min {lows}, median {mids}: "
-            f"{100 * (lows['with --token_ids'] / lows['without'] - 1):+.1f}% by the minimum, "
-            f"{100 * (mids['with --token_ids'] / mids['without'] - 1):+.1f}% by the median")
-    if not args.repeats:
-        return 0
-    n, data, one = args.prompts, dataset(args.prompts), dataset(1)
-    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}  # ms per call, net of the fixed cost
-    server_cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    busy: list[float] = []
-    with TokenServer(TOKENS, args.pace) as server:
-        for rep in range(args.repeats):
-            for arm, flags in ARMS.items():
-                runs = {}
-                for size, prompts in ((1, one), (n, data)):
-                    name = f"token-ids-{'with' if flags else 'without'}-n{size}-r{rep}"
-                    _fresh(name)
-                    runs[size] = run_cli(cli_argv(prompts, name, server.url, 2, 16, flags=flags), name, size, server,
-                                         timeout=1800, sample_rss=False)
-                    _drop(name, harness.KEEP_RUNS)
-                per_call = 1000 * (runs[n].cpu_s - runs[1].cpu_s) / (n - 1)
-                cpu[arm].append(per_call)
-                server_cpu[arm].append(1000 * runs[n].server_cpu_s / n)
-                busy.append(runs[n].machine_busy or 0.0)
-                say(f"{arm} r{rep}: {per_call:.2f} ms CPU/call (runner), server {server_cpu[arm][-1]:.2f} ms/call, "
-                    f"machine {100 * (runs[n].machine_busy or 0):.0f}% busy")
-    medians = {arm: statistics.median(values) for arm, values in cpu.items()}
-    without, with_ids = medians.values()
-    say(f"median runner CPU per call: without {without:.2f} ms, with --token_ids {with_ids:.2f} ms: "
-        f"{100 * (with_ids / without - 1):+.1f}% (target <= +10%); per run {cpu}; server per call "
-        f"{ {arm: round(statistics.median(v), 2) for arm, v in server_cpu.items()} }; machine busy "
-        f"{min(busy):.0%}-{max(busy):.0%}")
+    with TokenServer(TOKENS, args.pace) as asked, TokenServer(TOKENS, args.pace, always_ids=True) as unasked:
+        servers = {WITHOUT: asked, SENT: unasked, WITH: asked}
+        if args.rounds:
+            alone = call_path({arm: server.url for arm, server in servers.items()}, args.rounds, 20)
+            lows = {arm: round(min(v), 2) for arm, v in alone.items()}
+            mids = {arm: round(statistics.median(v), 2) for arm, v in alone.items()}
+            say(f"call path alone, CPU per call: min {lows}, median {mids}: with --token_ids "
+                f"{_change(lows, WITH)} by the minimum, {_change(mids, WITH)} by the median; ids sent, not read "
+                f"{_change(lows, SENT)} / {_change(mids, SENT)}")
+        if args.repeats:
+            whole_runs(servers, args.prompts, args.repeats)
     return 0
 
 

@@ -89,13 +89,6 @@ def test_an_endpoint_without_ids_is_refused_before_any_prompt_naming_the_way_out
     assert not _calls(server) and [b["messages"][-1]["content"] for b in server.requests] == ["ping"]
 
 
-def test_the_packaged_local_model_is_refused_before_it_starts(inline):
-    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "say hi"}])
-    done = inline.run("--dataset_file=prompts.jsonl", "--run_name=run", "--model=local", "--token_ids")
-    said = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and len(said) == 1 and "llama-cpp-python" in said[0] and "--tokenizer=" in said[0]
-
-
 def test_without_the_flag_nothing_is_asked_and_the_rows_carry_no_ids(inline, token_server):
     server = token_server("vllm")
     assert _run(inline, server).returncode == 0

@@ -122,17 +122,21 @@ def _wait_until_ready(server: Server) -> None:
 
 
 @contextlib.contextmanager
-def serve() -> Iterator[Server]:
-    """Start the server, wait until it answers, yield it, stop it at the end."""
+def serve(token_ids: bool = False) -> Iterator[Server]:
+    """Start the server, wait until it answers, yield it, stop it at the end. With `token_ids`,
+    our wrapper of it (trajgen/local_server.py) that also sends vLLM's token ids."""
     path, port = model_path(), _free_port()
+    module, env = "llama_cpp.server", None
+    if token_ids:  # the trajgen this run imported, wherever it was started from
+        module, env = "trajgen.local_server", os.environ | {"PYTHONPATH": os.pathsep.join(
+            filter(None, (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH"))))}
     with tempfile.TemporaryDirectory(prefix="trajgen-llama-") as tmp:
         log = Path(tmp) / "server.log"
         with log.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--chat_format",
-                 "chatml-function-calling", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
-                 "--verbose", "False"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                [sys.executable, "-m", module, "--model", str(path), "--chat_format", "chatml-function-calling",
+                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--verbose", "False"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                 preexec_fn=functools.partial(_die_with, os.getpid(), ctypes.CDLL(None).prctl),
             )
         server = Server(f"http://127.0.0.1:{port}/v1", process, log)

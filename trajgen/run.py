@@ -129,13 +129,10 @@ def ran(opts: RunOptions, health_check: Callable[[], str | None] | None = None) 
 def run_local(opts: RunOptions) -> Ran:
     """Serve the small packaged model for the length of the run. It answers one request at a
     time, so more conversations in flight would only queue."""
-    if opts.token_ids:
-        raise UsageError("--token_ids: the packaged local model's server (llama-cpp-python) sends no token ids; "
-                         "retokenize the text instead with --tokenizer=NAME_OR_PATH, or leave --token_ids out")
     local_model.model_path()  # a clear usage error before anything starts
     if opts.concurrency > 1 or opts.num_workers != 1:
         console.notice("--model=local serves one request at a time: running with --num_workers=1 --concurrency=1")
-    with local_model.serve() as server:
+    with local_model.serve(opts.token_ids) as server:
         return ran(replace(opts, base_url=server.url, api_key="none", num_workers=1, concurrency=1),
                    health_check=server.problem)
 

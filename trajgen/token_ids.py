@@ -112,7 +112,8 @@ def missing(found: dict | None) -> str:
 
 
 def _ids(value, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(i) is int and i >= 0 for i in value):
+    # map(type) and min run in C: a 1,000-token reply's ids are checked in microseconds (bench/token_ids.py)
+    if not isinstance(value, list) or not set(map(type, value)) <= {int} or (value and min(value) < 0):
         raise MalformedResponse(f"the reply's {what} are {'missing' if value is None else 'not token ids'}"
                                 f"{'' if value is None else ': ' + str(value)[:200]} (--token_ids)")
     return value
@@ -133,7 +134,7 @@ def checked(found: dict | None, usage: dict) -> dict:
         if len(logprobs) != len(completion):
             raise MalformedResponse(f"the reply has {len(completion)} completion ids but {len(logprobs)} logprobs "
                                     "(--token_ids)")
-        if not all(type(p) in (float, int) for p in logprobs):
+        if not set(map(type, logprobs)) <= {float, int}:
             raise MalformedResponse(f"the reply's logprobs are not numbers: {str(logprobs)[:200]} (--token_ids)")
     except MalformedResponse as e:
         raise MalformedResponse(str(e), usage) from None

@@ -58,6 +58,7 @@ class TokenServer:
     url: str = ""
     requests: list[dict] = field(default_factory=list)
     pace: float = 0.0  # streamed: seconds between each ten chunks, as a server generates them (0: at once)
+    always_ids: bool = False  # send vLLM's ids and logprobs even when not asked (bench/token_ids.py: their bytes' cost)
     stop: object = None  # ends the server (set by `start`)
 
     def reply_for(self, body: dict) -> tuple[dict, str | None]:
@@ -79,6 +80,8 @@ def _choice_tokens(server: TokenServer, body: dict, ids: list[int], probs: list[
                    first: bool) -> tuple[dict, dict]:
     """(top-level fields, choice fields) carrying `ids` and their `probs`, as the server's kind sends them."""
     kind, top, choice = server.kind, {}, {}
+    if server.always_ids:
+        body = {**body, "return_token_ids": True, "logprobs": True}
     if kind == "vllm" and body.get("return_token_ids"):
         if first:
             top["prompt_token_ids"] = prompt_ids(body)
@@ -202,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", choices=KINDS, default="vllm")
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--pace", type=float, default=0.0, help="seconds between each ten chunks")
+    parser.add_argument("--always_ids", action="store_true", help="ids and logprobs in every reply, asked or not")
     args = parser.parse_args(argv)
     text = "".join(chr(ord("a") + i % 26) for i in range(args.tokens - 1))  # and EOS: `tokens` ids in all
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # for sigwait, in every thread
     server = start(args.kind, [{"content": text}])
-    server.pace = args.pace
+    server.pace, server.always_ids = args.pace, args.always_ids
     server.requests = _Forgetful()
     print(f"READY {server.url}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
