@@ -244,7 +244,8 @@ def test_a_sandbox_holds_file_objects_only_within_its_memory_limit(tmp_path):
         sandbox = open_sandbox(config, "filler", None, None)
         arun(sandbox.write_file("f", b"x"))
         arun(sandbox.write_file("filler.py", FILE_TABLE_FILLER.encode()))
-        filled = run(sandbox, f"{sys.executable} filler.py 4", 120)
+        # the sandbox shows the interpreter itself (sys.base_prefix), not a virtualenv's link to it
+        filled = run(sandbox, f"{os.path.realpath(sys.executable)} filler.py 4", 120)
     finally:
         cleanup(config)
     assert "hit its memory limit (64 MB" in filled.error, filled
