@@ -51,6 +51,9 @@ def test_every_request_stays_under_the_budget_and_the_row_records_each_compactio
     assert sent[:4] == agent_requests(server)[first - 1]["messages"][:4]  # system, prompt, first call, first result
     assert sum(t["from"] == "tool" for t in row["conversations"]) == 9  # the row keeps every turn: a result per call
     assert row["metadata"]["side_usage"]["summary"]["api_calls"] == len(compactions)
+    # --tokenizer gives the row ids: each compaction starts a new training sample (trajgen/samples.py)
+    compacted = [b["turn"] for b in row["metadata"]["token_ids"]["breaks"] if b["cause"] == "compacted"]
+    assert compacted == [c["before_turn"] for c in compactions]
     stats = json.loads((inline.run_dir() / "statistics.json").read_text())
     assert stats["compactions"] == len(compactions)
     assert stats["summary"] == {"rows": 1, "calls": len(compactions), "cost": None, "tokens": {
