@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import session as shared
 from tests.support.inline import ROOT, Runs, inline  # noqa: F401  (ROOT: public name; inline: fixture)
 from tests.support.scripted_server import scripted_server  # noqa: F401  (fixture)
 
@@ -41,6 +42,10 @@ def _one_loop():
     _runner.close()
 
 
+def pytest_configure(config) -> None:
+    shared.begin(config)
+
+
 def pytest_collection_finish(session) -> None:
     """Start the Ray end-to-end tests as soon as they are collected: they mostly wait on Ray, and the
     other tests run meanwhile (tests/test_ray.py)."""
@@ -49,9 +54,9 @@ def pytest_collection_finish(session) -> None:
         ray_tests.start_inner_run()
 
 
-def pytest_sessionfinish(session) -> None:
-    if ray_tests := sys.modules.get("tests.test_ray"):
-        ray_tests.stop_inner_run()
+def pytest_unconfigure(config) -> None:
+    if shared.is_controller(config):  # every pytest-xdist worker has ended
+        shared.end()
 
 
 def think(text: str = "thinking") -> dict:

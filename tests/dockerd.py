@@ -3,8 +3,8 @@
 Use the engine DOCKER_HOST points at if it answers; otherwise start a private dockerd that
 never touches the host network (no bridge, no iptables) and stop it at the end. No registry is
 reachable here, so the test image is imported from the busybox-static package, not pulled.
-Test modules load this as a plugin (`pytest_plugins = ["tests.dockerd"]`) so the engine is
-started once per session however many modules use it.
+Test modules load this as a plugin (`pytest_plugins = ["tests.dockerd"]`); the engine is started,
+and each image imported, once per session however many modules and pytest-xdist workers use them.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import session
+
 IMAGE = "trajgen-test-busybox:latest"
 BASH_IMAGE = "trajgen-test-bash:latest"
 BUSYBOX = "/usr/bin/busybox"  # from busybox-static: no shared libraries needed inside the image
@@ -33,62 +35,54 @@ def _answers(host: str) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _start_dockerd(tmp: str) -> tuple[subprocess.Popen | None, str]:
-    """(the dockerd process, its DOCKER_HOST), or (None, why it could not start)."""
+def _start_dockerd(tmp: Path) -> str:
+    """Start a private dockerd with its data under `tmp` and return its DOCKER_HOST, or skip saying
+    why it could not start. tests/support/session.py stops it at the session's end."""
     if shutil.which("dockerd") is None or shutil.which("docker") is None:
-        return None, "dockerd/docker are not installed"
+        pytest.skip("no Docker engine: dockerd/docker are not installed")
     if os.geteuid() != 0:
-        return None, "starting dockerd needs root"
+        pytest.skip("no Docker engine: starting dockerd needs root")
     host = f"unix://{tmp}/docker.sock"
-    log = open(f"{tmp}/dockerd.log", "wb")
-    proc = subprocess.Popen(
-        ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", "--data-root", f"{tmp}/data",
-         "--exec-root", f"{tmp}/exec", "--pidfile", f"{tmp}/pid", "--host", host],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    log.close()
+    with open(tmp / "dockerd.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", "--data-root", f"{tmp}/data",
+             "--exec-root", f"{tmp}/exec", "--pidfile", f"{tmp}/pid", "--host", host],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    session.record("dockerd", proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if _answers(host):
-            return proc, host
+            return host
         time.sleep(0.5)
-    if proc.poll() is None:
-        _stop(proc)
-    lines = Path(f"{tmp}/dockerd.log").read_text(errors="replace").strip().splitlines()
-    return None, "dockerd did not start: " + (lines[-1] if lines else "no log output")
+    lines = (tmp / "dockerd.log").read_text(errors="replace").strip().splitlines()
+    pytest.skip("no Docker engine: dockerd did not start: " + (lines[-1] if lines else "no log output"))
 
 
 @pytest.fixture(scope="session")
 def docker_engine() -> Iterator[str]:
-    """The DOCKER_HOST of a working engine (also set in os.environ for the session), or a skip."""
+    """The DOCKER_HOST of a working engine (also set in os.environ for the session), or a skip: the
+    one DOCKER_HOST points at if it answers, else one private dockerd for every process of the session."""
     existing = os.environ.get("DOCKER_HOST")
     if existing and _answers(existing):
         yield existing
         return
-    tmp = tempfile.mkdtemp(prefix="trajgen-dockerd-", dir="/tmp")  # short: socket paths are limited
-    proc, host = _start_dockerd(tmp)
-    if proc is None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        pytest.skip(f"no Docker engine: {host}")
+    with session.locked("dockerd") as shared:
+        tmp = shared / "dockerd"  # short: socket paths are limited
+        host = f"unix://{tmp}/docker.sock"
+        if not tmp.exists():
+            tmp.mkdir()
+            host = _start_dockerd(tmp)
+        elif not _answers(host):
+            pytest.skip("no Docker engine: the session's dockerd did not start (see the first skip)")
     os.environ["DOCKER_HOST"] = host
     try:
         yield host
     finally:
-        _stop(proc)
         if existing is None:
             os.environ.pop("DOCKER_HOST", None)
         else:
             os.environ["DOCKER_HOST"] = existing
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _busybox_rootfs(root: Path) -> None:
@@ -122,8 +116,13 @@ def _host_tools(root: Path) -> None:
 
 def _import_image(tag: str, *layouts) -> str:
     """`tag`, imported once from a rootfs that each of `layouts` fills in turn."""
-    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode == 0:
-        return tag
+    with session.locked(f"image-{tag.replace(':', '-')}"):
+        if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+            _import(tag, layouts)
+    return tag
+
+
+def _import(tag: str, layouts) -> None:
     if not os.path.exists(BUSYBOX):
         pytest.skip(f"{BUSYBOX} is missing (install busybox-static)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +133,6 @@ def _import_image(tag: str, *layouts) -> str:
         with tarfile.open(Path(tmp) / "rootfs.tar", "w") as tar:
             tar.add(root, arcname=".")
         subprocess.run(["docker", "import", str(Path(tmp) / "rootfs.tar"), tag], capture_output=True, check=True)
-    return tag
 
 
 @pytest.fixture(scope="session")

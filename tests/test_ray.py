@@ -6,22 +6,23 @@ it must never do so here. So the test below re-runs pytest on the inner tests in
 it), and shows their output. The inner tests refuse to start Ray anywhere else.
 
 They spend most of their two minutes waiting on Ray, so conftest.py starts them in the background
-as soon as the tests are collected, and the other tests run meanwhile; their sandbox roots are in
-a /run/trajgen of their own, which the tests that look at the machine's do not see.
+as soon as the tests are collected, once per session (tests/support/session.py), and the other tests
+run meanwhile; their sandbox roots are in a /run/trajgen of their own, which the tests that look at the
+machine's do not see.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import time
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.support import session
 from trajgen import ray_executor
 from trajgen.errors import UsageError
 
@@ -60,48 +61,40 @@ def _namespace_problem() -> str | None:
     return None
 
 
-class InnerRun:
-    """The inner tests' pytest in its namespace, its output in a temporary file (no pipe to fill)."""
-
-    def __init__(self):
-        self.output = tempfile.TemporaryFile("w+")
-        self.process = subprocess.Popen([*NAMESPACE, "sh", "-c", INNER, sys.executable], cwd=ROOT, stdout=self.output,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def result(self, timeout: float) -> tuple[int, str]:
-        """(its exit status, what it printed), once it has ended."""
-        code = self.process.wait(timeout=timeout)
-        self.output.seek(0)
-        return code, self.output.read()
-
-    def stop(self) -> None:
-        """End it with its namespace, if the session ends before the test has waited for it."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self.output.close()
+# the inner run's exit status, written when it ends, for whichever process of the session waits for it
+RECORD_STATUS = 'status=$1; shift; "$@"; echo $? > "$status.part" && mv "$status.part" "$status"'
 
 
-_started: dict[str, InnerRun | str] = {}  # END_TO_END -> its run, or why it cannot run here
+def start_inner_run() -> str | None:
+    """Start the inner tests once per session, whichever process asks first (conftest.py asks as
+    soon as they are collected); why they cannot run here, or None."""
+    with session.locked("ray") as shared:
+        if (problem := shared / "ray.problem").exists():
+            return problem.read_text()
+        if not (shared / "ray.out").exists():
+            if why := _namespace_problem():
+                problem.write_text(why)
+                return why
+            with open(shared / "ray.out", "w") as output:
+                process = subprocess.Popen(["sh", "-c", RECORD_STATUS, "sh", shared / "ray.status", *NAMESPACE,
+                                            "sh", "-c", INNER, sys.executable],
+                                           cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            session.record("ray", process.pid, signal.SIGKILL)  # its namespace ends with it
+    return None
 
 
-def start_inner_run() -> InnerRun | str:
-    """The inner tests' run, started at the first call; or why it cannot run here."""
-    if END_TO_END not in _started:
-        problem = _namespace_problem()
-        _started[END_TO_END] = problem if problem else InnerRun()
-    return _started[END_TO_END]
-
-
-def stop_inner_run() -> None:
-    if isinstance(run := _started.pop(END_TO_END, None), InnerRun):
-        run.stop()
+def inner_result(timeout: float) -> tuple[int, str]:
+    """(the inner run's exit status, what it printed), once it has ended."""
+    shared, deadline = session.directory(), time.monotonic() + timeout
+    while not (shared / "ray.status").exists():
+        assert time.monotonic() < deadline, f"the Ray tests did not end within {timeout} s"
+        time.sleep(1)
+    return int((shared / "ray.status").read_text()), (shared / "ray.out").read_text()
 
 
 def test_ray_executor_end_to_end_in_a_private_network_namespace():
-    run = start_inner_run()
-    if isinstance(run, str):
-        pytest.skip(run)
-    code, output = run.result(timeout=1200)
+    if problem := start_inner_run():
+        pytest.skip(problem)
+    code, output = inner_result(timeout=1200)
     print(output[-35000:])
     assert code == 0, "the Ray tests failed inside their network namespace: see the output above"
