@@ -14,7 +14,8 @@ Sections
   throughput  latency 0.25 s, 2 calls + 1 terminal call per prompt, real local sandbox;
               efficiency = ceil(N/C) * 2 * 0.25 s / wall time (statistics.json duration_seconds).
               Issue 53's W(1000) at C=32 is `--sections=throughput --throughput-configs=2x32
-              --n-throughput=1000` (its ideal here: ceil(1000/32) * 0.5 s = 16.0 s).
+              --n-throughput=1000 --tag=w1000` (ideal ceil(1000/32) * 0.5 s = 16.0 s; the tag keeps
+              its results apart from the default configurations', which a later run would replace).
   realistic   issue 53's realistic workload: as throughput, but latency 1 s and 6 calls per prompt (5
               terminal calls in the prompt's sandbox, then the answer): ideal = ceil(N/C) * 6 * 1 s;
               configurations 2x64, 2x128, 2x256 unless --throughput-configs; N is --n-throughput.
@@ -135,7 +136,8 @@ def parse_args(argv=None):
                    help="before each run, wait until the machine is less busy than this share of all cores")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for a quiet machine, seconds")
     p.add_argument("--cli-root", help="run batch_runner.py from this tree instead (e.g. `git archive COMMIT | tar -x -C DIR`)")
-    p.add_argument("--tag", help="label of the results of --cli-root (kept apart in results.json as SECTION:harness.TAG)")
+    p.add_argument("--tag", help="label of these results, kept apart in results.json as SECTION:TAG "
+                   "(needed with --cli-root and --cli-flags)")
     p.add_argument("--cli-flags", default="", help="space-separated flags added to every CLI run, with --tag "
                    "(e.g. --cli-flags=--executor=ray; run Ray inside `unshare --net`, see tests/test_ray.py)")
     p.add_argument("--keep-runs", action="store_true", help="keep run directories under bench/out/runs")
