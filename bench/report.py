@@ -61,12 +61,14 @@ def _throughput_rows(res: dict, section: str, targets: dict) -> list[Row]:
                 f"runs {len(runs)}")
         if len(runs) > 1:
             note += f" (efficiency {spread([r['efficiency'] for r in runs])})"
+        floor = runs[0].get("calls", 2) * runs[0].get("latency", LATENCY)  # a prompt's calls, back to back
         p50 = median([r.get("prompt_wall_p50") for r in runs])
         p95 = median([r.get("prompt_wall_p95") for r in runs])
         if p50 is not None:
-            note += f"; per-prompt wall p50 {p50:.2f} s, p95 {p95:.2f} s (floor {runs[0].get('calls', 2) * LATENCY:.2f})"
+            note += f"; per-prompt wall p50 {p50:.2f} s, p95 {p95:.2f} s (floor {floor:.2f})"
         if (rate := median([r.get("steady_rate") for r in runs])) is not None:
-            note += f"; steady rate {rate:.1f} prompts/s (10th to 90th percentile of end times; ideal {conc / (runs[0].get('calls', 2) * LATENCY):.0f})"
+            note += (f"; steady rate {rate:.1f} prompts/s (10th to 90th percentile of end times; "
+                     f"ideal {conc / floor:.0f})")
         cpu = median([r["cpu_s"] for r in runs])
         scpu = median([r["server_cpu_s"] for r in runs])
         if cpu is not None and dur:
@@ -89,6 +91,13 @@ def _throughput_rows(res: dict, section: str, targets: dict) -> list[Row]:
 
 def rows_throughput(res: dict) -> list[Row]:
     return _throughput_rows(res, "throughput", {"2x64": 0.90})
+
+
+def rows_realistic(res: dict) -> list[Row]:
+    rows = _throughput_rows(res, "realistic", {"2x256": 0.90})
+    for row in rows:
+        row.config += f", {res['commands']} terminal calls a prompt, {res['latency']:g} s a call"
+    return rows
 
 
 def rows_diag(res: dict) -> list[Row]:
@@ -289,8 +298,9 @@ def rows_profile(res: dict) -> list[Row]:
     return rows
 
 
-ROW_BUILDERS = {"throughput": rows_throughput, "overhead": rows_overhead, "scale": rows_scale, "diag": rows_diag,
-                "pool": rows_pool, "sandbox": rows_sandbox, "profile": rows_profile, "versus": rows_versus}
+ROW_BUILDERS = {"throughput": rows_throughput, "realistic": rows_realistic, "overhead": rows_overhead,
+                "scale": rows_scale, "diag": rows_diag, "pool": rows_pool, "sandbox": rows_sandbox,
+                "profile": rows_profile, "versus": rows_versus}
 
 
 def section_order(results: dict) -> list[str]:
@@ -353,7 +363,7 @@ def findings(results: dict) -> list[str]:
 
 def _throughput_findings(results: dict) -> list[str]:
     out = []
-    for section in ("throughput", "diag"):
+    for section in ("throughput", "realistic", "diag"):
         tp = results.get(section, {}).get("data")
         for key, runs in (tp or {}).get("configs", {}).items():
             eff = median([r["efficiency"] for r in runs])

@@ -13,6 +13,12 @@ loopback scripted server (`python -m tests.support.scripted_server`) as a separa
 Sections
   throughput  latency 0.25 s, 2 calls + 1 terminal call per prompt, real local sandbox;
               efficiency = ceil(N/C) * 2 * 0.25 s / wall time (statistics.json duration_seconds).
+              Issue 53's W(1000) at C=32 is `--sections=throughput --throughput-configs=2x32
+              --n-throughput=1000 --tag=w1000` (ideal ceil(1000/32) * 0.5 s = 16.0 s; the tag keeps
+              its results apart from the default configurations', which a later run would replace).
+  realistic   issue 53's realistic workload: as throughput, but latency 1 s and 6 calls per prompt (5
+              terminal calls in the prompt's sandbox, then the answer): ideal = ceil(N/C) * 6 * 1 s;
+              configurations 2x64, 2x128, 2x256 unless --throughput-configs; N is --n-throughput.
   overhead    latency 0: CPU seconds per prompt of the CLI and all its children
               (getrusage(RUSAGE_CHILDREN) deltas), without and with one terminal call per prompt.
   scale       latency 0, no tools, N = 10k and 100k: peak RSS (VmHWM) of the parent and of the
@@ -24,11 +30,12 @@ only that section); the table is printed and bench/RESULTS.md rewritten from all
 between the `<!-- notes -->` markers of RESULTS.md is kept across rewrites. --quick keeps its own
 files (bench/out/results-quick.json, bench/out/RESULTS-quick.md) and never touches the full ones.
 
-More sections, not run by default: diag (same workload with more workers, or without the tool
-call), pool (the HTTP client alone: httpx vs httpx2 vs aiohttp under openai.AsyncOpenAI), sandbox
-(the local bubblewrap sandbox alone), profile (py-spy). --cli-root=DIR --tag=NAME runs the CLI of
-another tree (e.g. `git archive 62d04ad | tar -x -C bench/out/trees/62d04ad`) and keeps its
-results apart, for before/after comparisons; --cli-flags=--executor=ray --tag=ray does the same for
+More sections, not run by default: realistic (above; about 6 min a repeat at N=2000), diag (same
+workload with more workers, or without the tool call), pool (the HTTP client alone: httpx vs httpx2
+vs aiohttp under openai.AsyncOpenAI), sandbox (the local bubblewrap sandbox alone), profile
+(py-spy). --cli-root=DIR --tag=NAME runs the CLI of another tree
+(e.g. `git archive 62d04ad | tar -x -C bench/out/trees/62d04ad`) and keeps its results apart,
+for before/after comparisons; --cli-flags=--executor=ray --tag=ray does the same for
 the Ray executor, run inside a loopback-only network namespace. Section versus (with --cli-flags)
 runs the first throughput configuration without the flags and with them, alternately, and reports
 the median ratio of the pairs (Ray against the process pool, the two runs of a pair a minute
@@ -70,6 +77,7 @@ from sections import (
     section_overhead,
     section_pool,
     section_profile,
+    section_realistic,
     section_sandbox,
     section_scale,
     section_throughput,
@@ -87,7 +95,7 @@ from report import (
 
 SECTIONS = {"throughput": section_throughput, "overhead": section_overhead, "scale": section_scale,
             "profile": section_profile, "diag": section_diag, "pool": section_pool, "sandbox": section_sandbox,
-            "versus": section_versus}
+            "versus": section_versus, "realistic": section_realistic}
 
 
 def _run_records(obj):
@@ -105,12 +113,14 @@ def _run_records(obj):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default="throughput,overhead,scale",
-                   help="comma list of throughput, overhead, scale, diag, pool, sandbox, profile, versus "
+                   help="comma list of throughput, overhead, scale, realistic, diag, pool, sandbox, profile, versus "
                    "(default: the first three)")
     p.add_argument("--quick", action="store_true", help="small N and one repeat")
     p.add_argument("--repeats", type=int, help="repeats per configuration (default 3; 1 with --quick)")
-    p.add_argument("--n-throughput", type=int, help="prompts in the throughput and profile runs (default 2000)")
-    p.add_argument("--throughput-configs", help="comma list of WORKERSxCONCURRENCY (default 2x64,2x256,4x4)")
+    p.add_argument("--n-throughput", type=int,
+                   help="prompts in the throughput, realistic and profile runs (default 2000)")
+    p.add_argument("--throughput-configs", help="comma list of WORKERSxCONCURRENCY (default 2x64,2x256,4x4; "
+                   "realistic: 2x64,2x128,2x256)")
     p.add_argument("--n-overhead", type=int, help="prompts in the overhead runs (default 2000)")
     p.add_argument("--overhead-workers", type=int, default=2)
     p.add_argument("--overhead-concurrency", type=int, default=64)
@@ -126,7 +136,8 @@ def parse_args(argv=None):
                    help="before each run, wait until the machine is less busy than this share of all cores")
     p.add_argument("--quiet-wait", type=float, default=60.0, help="longest wait for a quiet machine, seconds")
     p.add_argument("--cli-root", help="run batch_runner.py from this tree instead (e.g. `git archive COMMIT | tar -x -C DIR`)")
-    p.add_argument("--tag", help="label of the results of --cli-root (kept apart in results.json as SECTION:harness.TAG)")
+    p.add_argument("--tag", help="label of these results, kept apart in results.json as SECTION:TAG "
+                   "(needed with --cli-root and --cli-flags)")
     p.add_argument("--cli-flags", default="", help="space-separated flags added to every CLI run, with --tag "
                    "(e.g. --cli-flags=--executor=ray; run Ray inside `unshare --net`, see tests/test_ray.py)")
     p.add_argument("--keep-runs", action="store_true", help="keep run directories under bench/out/runs")

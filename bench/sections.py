@@ -33,22 +33,27 @@ from harness import (
 
 
 LATENCY = 0.25
+REALISTIC_LATENCY, REALISTIC_COMMANDS = 1.0, 5  # issue 53's realistic workload
 
 
 def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str,
-                     flags: tuple[str, ...] | None = None) -> dict:
-    """Latency 0.25 s, two replies: reply 0 calls `terminal` (echo hi), or without tools a tool the
-    run does not offer (answered at once, no sandbox); reply 1 ends. `flags`: as cli_argv's."""
+                     flags: tuple[str, ...] | None = None, latency: float = LATENCY, commands: int = 1) -> dict:
+    """`latency` s per call, `commands` + 1 replies: each of the first `commands` calls `terminal` (echo hi)
+    in the prompt's sandbox, or without tools one tool the run does not offer (answered at once, no
+    sandbox); the last ends. `flags`: as cli_argv's."""
     data = dataset(n)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     servers = {}
+    command, final = SCRIPT_TOOL["default"]
+    script_tool = {"default": [command] * commands + [final]}
     try:
         for tools in sorted({c[2] for c in configs}, reverse=True):
-            servers[tools] = Server(SCRIPT_TOOL if tools else SCRIPT_NO_SANDBOX, LATENCY, f"{tag}-{'tool' if tools else 'plain'}")
+            servers[tools] = Server(script_tool if tools else SCRIPT_NO_SANDBOX, latency,
+                                    f"{tag}-{'tool' if tools else 'plain'}")
         for rep in range(repeats):
             for workers, conc, tools in configs:  # interleaved, so that noise spreads over every configuration
-                calls = 2
-                ideal = math.ceil(n / conc) * calls * LATENCY
+                calls = commands + 1 if tools else 2
+                ideal = math.ceil(n / conc) * calls * latency
                 key = f"{workers}x{conc}" + ("" if tools else "-notools")
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
                 _fresh(name)
@@ -60,19 +65,30 @@ def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int,
                 say(f"  duration {r.duration_s} s, wall {r.wall_s:.2f} s, efficiency {eff and round(eff, 3)}, "
                     f"cpu {r.cpu_s:.1f} s, server cpu {r.server_cpu_s:.1f} s, prompt wall p50 {r.prompt_wall_p50}")
                 runs[key].append({**r.__dict__, "ideal_s": ideal, "efficiency": eff, "workers": workers,
-                                  "concurrency": conc, "tools": tools, "calls": calls})
+                                  "concurrency": conc, "tools": tools, "calls": calls, "latency": latency})
     finally:
         for server in servers.values():
             server.close()
     return dict(runs)
 
 
+def _configs(text: str) -> list[tuple[int, int, bool]]:
+    """WORKERSxCONCURRENCY,... -> (workers, concurrency, tools) with the terminal tool."""
+    return [(*(int(x) for x in c.split("x")), True) for c in text.split(",")]
+
+
 def section_throughput(args) -> dict:
-    configs = [(2, 64, True), (2, 256, True), (4, 4, True)]
-    if args.throughput_configs:
-        configs = [(*(int(x) for x in c.split("x")), True) for c in args.throughput_configs.split(",")]
     return {"n": args.n_throughput, "latency": LATENCY,
-            "configs": _throughput_runs(configs, args.n_throughput, args.repeats, "tp")}
+            "configs": _throughput_runs(_configs(args.throughput_configs or "2x64,2x256,4x4"), args.n_throughput,
+                                        args.repeats, "tp")}
+
+
+def section_realistic(args) -> dict:
+    """Issue 53's realistic workload: 1 s per call, five sandboxed commands per prompt, then the answer."""
+    configs = _configs(args.throughput_configs or "2x64,2x128,2x256")
+    return {"n": args.n_throughput, "latency": REALISTIC_LATENCY, "commands": REALISTIC_COMMANDS,
+            "configs": _throughput_runs(configs, args.n_throughput, args.repeats, "re",
+                                        latency=REALISTIC_LATENCY, commands=REALISTIC_COMMANDS)}
 
 
 def section_versus(args) -> dict:
