@@ -1,8 +1,8 @@
-"""End to end with the modal backend: the CLI (in process, `inline`; a real one where a runner is killed or
-the SDK must read its credentials afresh) and the real modal SDK (1.6.4) against the local
-stand-in of tests/standins/modal_server.py, not Modal itself. The stand-in serves Modal's gRPC API
-and task command router on 127.0.0.1 and runs each sandbox as a container on the private Docker
-engine (always without network: a label records whether the backend asked Modal to block it)."""
+"""End to end with the modal backend: the CLI (in process, `inline`; a real one where a runner is killed)
+and the real modal SDK (1.6.4) against the local stand-in of tests/standins/modal_server.py, not Modal
+itself. The stand-in serves Modal's gRPC API and task command router on 127.0.0.1 and runs each sandbox
+as a container on the private Docker engine (always without network: a label records whether the
+backend asked Modal to block it)."""
 from __future__ import annotations
 
 import subprocess
@@ -116,13 +116,17 @@ def test_resume_terminates_the_sandboxes_a_killed_runner_left(cli, scripted_serv
     assert modal_standin.containers(RUN_TAG) == []
 
 
-def test_without_modal_credentials_the_run_stops_on_one_line(cli, scripted_server, modal_standin, busybox_image):
+def test_without_modal_credentials_the_run_stops_on_one_line(inline, scripted_server, modal_standin, busybox_image,
+                                                             monkeypatch):
     server = scripted_server({"default": [think("done")]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
-    cli.env.update(modal_standin.env)
-    del cli.env["MODAL_TOKEN_ID"], cli.env["MODAL_TOKEN_SECRET"]  # the stand-in's address, and no token
-    done = cli.run(*cli.args(server, terminal_backend="modal"))
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p", "image": busybox_image}])
+    inline.env.update(modal_standin.env)
+    del inline.env["MODAL_TOKEN_ID"], inline.env["MODAL_TOKEN_SECRET"]  # the stand-in's address, and no token
+    # the SDK as a new runner finds it: no client authenticated, no app looked up by an earlier run in this process
+    monkeypatch.setattr("modal.client._Client._client_from_env", None)
+    monkeypatch.setattr("trajgen.sandbox.modal_sandbox._apps", {})
+    done = inline.run(*inline.args(server, terminal_backend="modal"))
     assert done.returncode == 1
     assert f"error: Modal cannot build image {busybox_image}: AuthError: Token missing" in done.stderr
     assert "nothing was sent" in done.stderr and "Traceback" not in done.stderr
-    assert server.requests() == [] and not (cli.run_dir() / "failures.jsonl").exists()  # not a failed prompt: no run
+    assert server.requests() == [] and not (inline.run_dir() / "failures.jsonl").exists()  # not a failed prompt: no run

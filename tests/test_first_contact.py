@@ -1,6 +1,6 @@
 """What a newcomer meets when something goes wrong: a word at once, and the next step. The CLI (in
-process, `inline`, or the real one where a terminal or a pasted command is the point) against the
-loopback scripted server."""
+process, `inline`, or the real one where a pasted command is the point) against the loopback scripted
+server."""
 from __future__ import annotations
 
 import re
@@ -8,8 +8,8 @@ import shlex
 import socket
 import subprocess
 
-from tests.conftest import in_terminal, read_jsonl, think, write_jsonl
-from trajgen import dataset, merge, store
+from tests.conftest import read_jsonl, think, write_jsonl
+from trajgen import chat_calls, dataset, merge, store
 from trajgen.scheduler import PROMPT_EXCERPT, _which
 from trajgen.task import Task
 
@@ -62,12 +62,14 @@ def test_a_failed_run_ends_with_the_next_step_and_its_resume_command_works_paste
     assert sorted(r["conversations"][1]["value"] for r in rows) == ["fine", "flaky"]
 
 
-def test_the_retry_line_shows_under_the_bar_while_the_server_answers_500s(cli, scripted_server):
+def test_the_retry_line_shows_under_the_bar_while_the_server_answers_500s(inline, scripted_server, monkeypatch):
+    monkeypatch.setattr(chat_calls, "backoff", lambda previous: chat_calls.BACKOFF_BASE)  # which attempts, not how long
     server = scripted_server({"default": [{"status": 500, "times": 3, "then": think()}]})
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    code, text = in_terminal(cli.command(*cli.args(server, max_retries=10)), cli.cwd, {**cli.env, "COLUMNS": "100"})
-    assert code == 0, text[-2000:]
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    terminal = {"TTY_COMPATIBLE": "1", "COLUMNS": "100"}  # rich draws its live bar as on a terminal 100 columns wide
+    done = inline.run(*inline.args(server, max_retries=10), env=terminal)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", done.stderr)
     seen = re.findall(r"1 retrying: HTTP 500, attempt (\d+)/10, next in (\d+) s; 1 in flight", text)
     assert {attempt for attempt, _ in seen} >= {"1", "2", "3"}, text[-2000:]
 

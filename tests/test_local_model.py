@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import read_jsonl, write_jsonl
+from tests.support.inline import stopped_if_it_hangs, when
 from trajgen.local_model import LocalServerError, Server, _wait_until_ready
 
 # llama.cpp's x86-64 build with -DGGML_NATIVE=OFF (ggml/CMakeLists.txt: SSE4.2, AVX, AVX2, BMI2, FMA, F16C on;
@@ -32,16 +33,20 @@ def _needs_local_model() -> None:
 
 
 def _server_pid(cli_process: subprocess.Popen, timeout: float = 120) -> int:
-    """The llama.cpp server among the CLI's own children (nothing machine-wide)."""
+    """The llama.cpp server among the CLI's own children."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for children in Path(f"/proc/{cli_process.pid}/task").glob("*/children"):
-            for pid in map(int, children.read_text().split()):
-                if _running(pid):
-                    return pid
+        if servers := _servers(cli_process.pid):
+            return servers[0]
         assert cli_process.poll() is None, cli_process.communicate()[1]
         time.sleep(0.1)
     raise AssertionError(f"no llama.cpp server among the CLI's children after {timeout} s")
+
+
+def _servers(parent: int) -> list[int]:
+    """The llama.cpp servers among `parent`'s own children (nothing machine-wide)."""
+    return [pid for children in Path(f"/proc/{parent}/task").glob("*/children")
+            for pid in map(int, children.read_text().split()) if _running(pid)]
 
 
 def _running(pid: int) -> bool:
@@ -77,35 +82,36 @@ def test_a_first_run_with_no_key_on_the_packaged_model(cli):
 
 
 @pytest.mark.slow
-def test_a_server_that_dies_mid_run_stops_it_with_the_cause_and_the_run_resumes(cli):
+def test_a_server_that_dies_mid_run_stops_it_with_the_cause_and_the_run_resumes(inline):
     _needs_local_model()
     names = [f"Name a fruit, answer {i}." for i in range(4)]
-    write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
-    process = cli.start("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS)
-    server = _server_pid(process)
-    deadline = time.monotonic() + 300
-    while not _rows(cli.run_dir("demo")):  # one prompt done, the next one in flight
-        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    os.kill(server, signal.SIGILL)  # what a build for another CPU dies of
-    _, stderr = process.communicate(timeout=120)
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": n} for n in names])
 
-    assert process.returncode == 1, stderr
-    lines = stderr.splitlines()
+    def kill_the_server() -> None:
+        [server] = _servers(os.getpid())  # the run in this process started it
+        os.kill(server, signal.SIGILL)  # what a build for another CPU dies of
+
+    # once one prompt is done, the next one in flight
+    with stopped_if_it_hangs(420), when(lambda: _rows(inline.run_dir("demo")), kill_the_server, timeout=300):
+        stopped = inline.run("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS)
+        assert stopped.returncode == 1, stopped.stderr  # here, so that a run that ended otherwise says how
+    lines = stopped.stderr.splitlines()
     [at] = [i for i, line in enumerate(lines) if line.startswith("error:")]
     line, hint = lines[at], lines[at + 1]
     assert "the local model server was killed by SIGILL: llama.cpp was built for another CPU: rebuild with " \
            'CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install' in line
-    assert re.search(r"its log ends: \S", line) and hint.strip().endswith("--resume") and "Traceback" not in stderr
-    landed = _prompts(_rows(cli.run_dir("demo")))
-    failures = read_jsonl(cli.run_dir("demo") / "failures.jsonl")
+    assert re.search(r"its log ends: \S", line) and hint.strip().endswith("--resume")
+    assert "Traceback" not in stopped.stderr
+    landed = _prompts(_rows(inline.run_dir("demo")))
+    failures = read_jsonl(inline.run_dir("demo") / "failures.jsonl")
     assert len(failures) == 1 and failures[0]["error_class"] == "RunStopped"  # the prompt in flight
     assert names[failures[0]["prompt_index"]] not in landed and len(landed) < len(names)
 
     # the same command with --resume: a new server on a new port, and no --force needed for that
-    done = cli.run("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS, "--resume", timeout=600)
+    with stopped_if_it_hangs(600):
+        done = inline.run("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS, "--resume")
     assert done.returncode == 0, done.stderr
-    assert _prompts(read_jsonl(cli.run_dir("demo") / "trajectories.jsonl")) == sorted(names)
+    assert _prompts(read_jsonl(inline.run_dir("demo") / "trajectories.jsonl")) == sorted(names)
 
 
 @pytest.mark.slow
