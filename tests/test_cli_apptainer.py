@@ -12,7 +12,6 @@ from tests.conftest import call, kill_group, read_jsonl, think, tool_outputs, wr
 from tests.standins import STANDINS, builds, live_instances
 from tests.support.inline import stopped_if_it_hangs, when
 from tests.test_hardening import _one_line_error, _wait_for
-from trajgen.options import RunOptions
 from trajgen.sandbox import apptainer
 from trajgen.sandbox.roots import UID_BASE, UID_COUNT
 
@@ -26,10 +25,6 @@ PROBE = "pwd; cat note.txt; echo; id -u; env; cat /proc/net/dev"
 def _asked(server, prompt: str) -> int:
     """How many requests the server has had for `prompt`."""
     return sum(1 for r in server.requests() if r["prompt"] == prompt)
-
-
-def _run_id(cli) -> str:
-    return RunOptions(output_dir=str(cli.cwd / "data"), run_name="run").run_id
 
 
 def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(inline, scripted_server, apptainer_standin,
@@ -84,7 +79,7 @@ def test_apptainer_run_images_cwd_isolation_and_resume_of_a_missing_image(inline
     failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 3)]
     assert _asked(server, "late") == 0  # no API call was paid for it
-    assert [n for n in live_instances() if n.startswith(f"trajgen-{_run_id(inline)}-")] == []
+    assert [n for n in live_instances() if n.startswith(f"trajgen-{inline.run_id()}-")] == []
     sif = [p for p in os.listdir(inline.cwd / "home/.cache/trajgen/sif") if p.endswith(".sif")]
     assert len(sif) == 1  # the busybox image, built once for both spellings and the default
 
@@ -105,7 +100,7 @@ def test_resume_stops_the_instances_a_killed_runner_left(cli, scripted_server, a
     write_jsonl(cli.cwd / "prompts.jsonl", [{"prompt": f"p{i}", "image": busybox_image} for i in range(2)])
     cli.env.update(apptainer_standin)
     args = cli.args(server, terminal_backend="apptainer")
-    prefix = f"trajgen-{_run_id(cli)}-"
+    prefix = f"trajgen-{cli.run_id()}-"
 
     def instances() -> list[str]:
         return [name for name in live_instances() if name.startswith(prefix)]

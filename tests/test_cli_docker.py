@@ -42,7 +42,8 @@ def test_docker_run_uses_each_rows_image_and_cwd(inline, scripted_server, docker
     failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 2)]
     assert "gone" not in [r["prompt"] for r in server.requests()]  # no API call was paid for it
-    leftover = subprocess.run(["docker", "-H", docker_engine, "ps", "-aq", "--filter", "label=trajgen.session"],
+    leftover = subprocess.run(["docker", "-H", docker_engine, "ps", "-aq", "--filter",
+                               f"label=trajgen.run={inline.run_id()}"],
                               capture_output=True, text=True).stdout.split()
     assert leftover == []
 
@@ -60,15 +61,15 @@ def test_resume_removes_the_containers_a_killed_runner_left(cli, scripted_server
                               capture_output=True, text=True, check=True).stdout.split()
 
     first = cli.start(*args)
-    _wait_for(lambda: len(containers("trajgen.run")) == 2)  # both prompts ran their command; both held
+    _wait_for(lambda: len(containers(f"trajgen.run={cli.run_id()}")) == 2)  # both prompts ran their command; both held
     kill_group(first)
-    left = containers("trajgen.run")
+    left = containers(f"trajgen.run={cli.run_id()}")
     assert len(left) == 2
     server.open_gate("held")
     done = cli.run(*args, "--resume")
     assert done.returncode == 0, done.stderr
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
-    assert containers("trajgen.run") == []
+    assert containers(f"trajgen.run={cli.run_id()}") == []
 
 
 def test_terminal_and_file_calls_start_no_docker_process(inline, scripted_server, docker_engine, busybox_image,

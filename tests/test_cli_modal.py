@@ -17,6 +17,11 @@ pytest_plugins = ["tests.dockerd", "tests.standins.modal_fixture"]
 RUN_TAG = "modal-standin.tag.trajgen.run"  # the docker label the stand-in gives a sandbox's trajgen.run tag
 
 
+def _run_tag(runs) -> str:
+    """The label of this test's run's sandboxes (other runs share the engine)."""
+    return f"{RUN_TAG}={runs.run_id()}"
+
+
 def _rows(path) -> dict[str, dict]:
     return {r["conversations"][1]["value"]: r for r in read_jsonl(path / "trajectories.jsonl")}
 
@@ -48,7 +53,7 @@ def test_modal_run_uses_each_rows_image_and_cwd_and_resume_retries_a_missing_ima
     failures = read_jsonl(inline.run_dir() / "failures.jsonl")
     assert [(f["error_class"], f["prompt_index"]) for f in failures] == [("ImageUnavailable", 2)]
     assert "later" not in [r["prompt"] for r in server.requests()]  # no API call was paid for it
-    assert modal_standin.containers(RUN_TAG) == []
+    assert modal_standin.containers(_run_tag(inline)) == []
 
     subprocess.run(["docker", "tag", busybox_image, later], check=True)
     try:
@@ -59,7 +64,7 @@ def test_modal_run_uses_each_rows_image_and_cwd_and_resume_retries_a_missing_ima
     rows = _rows(inline.run_dir())
     assert set(rows) == {"in app", "in srv", "later"}
     assert tool_outputs(rows["later"])[1]["output"].startswith("/workspace\nfrom the model\n")
-    assert modal_standin.containers(RUN_TAG) == []
+    assert modal_standin.containers(_run_tag(inline)) == []
 
 
 def test_modal_sandboxes_are_isolated(inline, scripted_server, modal_standin, busybox_image):
@@ -77,7 +82,7 @@ def test_modal_sandboxes_are_isolated(inline, scripted_server, modal_standin, bu
     blocked = []  # the sandboxes with no network, counted while both are up
 
     def look_then_let_go() -> None:
-        blocked.append(len(modal_standin.containers(RUN_TAG, "modal-standin.network=blocked")))
+        blocked.append(len(modal_standin.containers(_run_tag(inline), "modal-standin.network=blocked")))
         server.open_gate("owner")
 
     with (stopped_if_it_hangs(180),
@@ -104,16 +109,16 @@ def test_resume_terminates_the_sandboxes_a_killed_runner_left(cli, scripted_serv
     cli.env.update(modal_standin.env)
     args = cli.args(server, terminal_backend="modal")
     first = cli.start(*args)
-    _wait_for(lambda: len(modal_standin.containers(RUN_TAG)) == 2)  # both prompts have a sandbox; both held
+    _wait_for(lambda: len(modal_standin.containers(_run_tag(cli))) == 2)  # both prompts have a sandbox; both held
     _wait_for(lambda: sum(r["turn"] > 0 for r in server.requests()) == 2)  # and ran their command
     kill_group(first)
-    assert len(modal_standin.containers(RUN_TAG)) == 2
+    assert len(modal_standin.containers(_run_tag(cli))) == 2
     server.open_gate("held")
     done = cli.run(*args, "--resume")
     assert done.returncode == 0, done.stderr
     assert "deprecat" not in done.stderr.lower()  # the environment-wide listing by tag is quiet
     assert len(read_jsonl(cli.run_dir() / "trajectories.jsonl")) == 2
-    assert modal_standin.containers(RUN_TAG) == []
+    assert modal_standin.containers(_run_tag(cli)) == []
 
 
 def test_without_modal_credentials_the_run_stops_on_one_line(inline, scripted_server, modal_standin, busybox_image,

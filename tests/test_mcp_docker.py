@@ -26,7 +26,8 @@ def test_docker_backend_runs_the_server_in_the_prompts_container(inline, scripte
     [row] = read_jsonl(inline.run_dir() / "trajectories.jsonl")
     [result] = tool_outputs(row)
     assert result["success"] and result["structured_content"]["timezone"] == "Asia/Tokyo"
-    probes = subprocess.run(["docker", "ps", "-aq", "--filter", "label=trajgen.key=mcp-probe-time"],
+    probes = subprocess.run(["docker", "ps", "-aq", "--filter", "label=trajgen.key=mcp-probe-time",
+                             "--filter", f"label=trajgen.run={inline.run_id()}"],
                             capture_output=True, text=True, check=True)
     assert probes.stdout.strip() == ""  # the probe's container went with its sandbox
 

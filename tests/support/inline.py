@@ -34,6 +34,7 @@ import batch_runner
 from trajgen import console, store
 from trajgen import run as run_module
 from trajgen.messages import Event, Finished
+from trajgen.options import RunOptions
 from trajgen.process_pool import _Outbox
 from trajgen.worker import Worker
 from trajgen.task import Task, WorkerConfig
@@ -61,6 +62,10 @@ class Runs:
 
     def run_dir(self, run_name: str = "run") -> Path:
         return self.cwd / "data" / run_name
+
+    def run_id(self, run_name: str = "run") -> str:
+        """The run's identity, which labels its sandboxes: what a test looks for among the engine's."""
+        return RunOptions(output_dir=str(self.cwd / "data"), run_name=run_name).run_id
 
 
 class Inline(Runs):
