@@ -195,6 +195,15 @@ PAGE = """<html><head><title>A page on the web</title></head><body>
 <script>new WebSocket("ws://localhost:{port}/")</script></body></html>"""
 
 
+async def _refusals_in(guard, since: int) -> None:
+    """Wait (5 s at most) for PAGE's frame and socket to be refused: they come a moment after it loads."""
+    for _ in range(50):
+        new = guard.refused[since:]
+        if any("169.254.169.254" in r for r in new) and any("localhost" in r for r in new):
+            return
+        await asyncio.sleep(0.1)
+
+
 def test_the_guard_keeps_a_page_from_the_internal_network(local_site):
     """A page may not pull the browser into private addresses: not its pictures, frames or sockets,
     not a link, and not a redirect. With the flag off only a public page is opened, and no test may
@@ -208,10 +217,7 @@ def test_the_guard_keeps_a_page_from_the_internal_network(local_site):
         guard, page = ctx.state[GUARD_KEY], ctx.state[CONTEXT_KEY].pages[-1]
         port = local_site.server.server_port
         await page.set_content(PAGE.format(site=local_site.url, port=port), wait_until="load")
-        for _ in range(50):  # the frame and the socket may still be on their way
-            if any("169.254.169.254" in r for r in guard.refused) and any("localhost" in r for r in guard.refused):
-                break
-            await asyncio.sleep(0.1)
+        await _refusals_in(guard, since=0)
         assert any(r.startswith("refused: 10.1.2.3 is") for r in guard.refused)
         assert any(r.startswith("refused: 169.254.169.254 is") for r in guard.refused)
         assert any(r.startswith("refused: 127.0.0.1 is") for r in guard.refused)
@@ -221,10 +227,14 @@ def test_the_guard_keeps_a_page_from_the_internal_network(local_site):
         clicked = await browser_click(ctx, ref=ref(tree, 'link "the internal form"'))
         assert clicked["success"] is False and clicked["error"].startswith("refused: 127.0.0.1 is"), clicked
 
+        since = len(guard.refused)
         await page.set_content(PAGE.format(site=local_site.url, port=port))
+        await _refusals_in(guard, since)  # else they land during the snapshot, which then fails
         await page.route("http://127.0.0.1:1/hop", lambda route: route.fulfill(
             status=302, headers={"Location": f"http://localhost:{port}/form"}))
-        tree = (await browser_snapshot(ctx))["snapshot"]
+        snapshot = await browser_snapshot(ctx)
+        assert snapshot["success"] is True, snapshot
+        tree = snapshot["snapshot"]
         redirected = await browser_click(ctx, ref=ref(tree, 'link "a hop"'))
         assert redirected["success"] is False and "refused: localhost (127.0.0.1) is" in redirected["error"], redirected
 
