@@ -23,12 +23,13 @@ _path: Path | None = None
 def begin(config) -> None:
     """At pytest_configure: the controller makes the directory, a worker finds it."""
     global _path
-    if not hasattr(config, "workerinput"):
+    if is_controller(config):
         os.environ[VARIABLE] = tempfile.mkdtemp(prefix="trajgen-tests-")
     _path = Path(os.environ[VARIABLE])
 
 
 def is_controller(config) -> bool:
+    """pytest-xdist's controller, or the only process: not one of its workers."""
     return not hasattr(config, "workerinput")
 
 
