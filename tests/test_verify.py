@@ -29,6 +29,8 @@ def answer(text: str) -> dict:
             "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}}
 
 
+# a check's deadline: "slow check" outlives it, the others end long before it even on a loaded machine
+VERIFY_TIMEOUT = 5
 CHECKS = {  # prompt -> (verify command, the model's replies)
     "answer 42": (ANSWER_IS_42, [think("42")]),
     "make a file": ("grep -q made out.txt", [call("terminal", command="echo made > out.txt"), think("done")]),
@@ -55,7 +57,7 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
                "sometimes 42": (ANSWER_IS_42, [{"body": answer("41"), "times": 2, "then": think("42")}]),
                "no reasoning": ("true", [{"content": "42"}])}
     server = scripted_server(_dataset(inline, prompts, [{"prompt": "unchecked"}]))
-    args = inline.args(server, samples_per_prompt=3, verify_timeout=1, num_workers=1, concurrency=1,
+    args = inline.args(server, samples_per_prompt=3, verify_timeout=VERIFY_TIMEOUT, num_workers=1, concurrency=1,
                     cache_dir=str(inline.cwd / "cache"))
     done = inline.run(*args, "--require_verified")
     assert done.returncode == 0, done.stderr
@@ -140,7 +142,8 @@ def test_verdicts_samples_require_verified_statistics_and_exports_on_the_local_b
 
 def test_verdicts_on_the_docker_backend(inline, scripted_server, docker_engine, busybox_image):
     server = scripted_server(_dataset(inline, CHECKS))
-    done = inline.run(*inline.args(server, terminal_backend="docker", docker_image=busybox_image, verify_timeout=1),
+    done = inline.run(*inline.args(server, terminal_backend="docker", docker_image=busybox_image,
+                                   verify_timeout=VERIFY_TIMEOUT),
                    env={"DOCKER_HOST": docker_engine})
     assert done.returncode == 0, done.stderr
     rows = _by_prompt(read_jsonl(inline.run_dir() / "trajectories.jsonl"))
