@@ -29,7 +29,7 @@ from trajgen.errors import UsageError
 NAMESPACE = ["unshare", "--net", "--pid", "--fork", "--mount-proc"]
 # sh stays the namespace's PID 1, which reaps the orphans it adopts (Python there would not)
 INNER = ('ip link set lo up && mkdir -p -m 700 /run/trajgen && mount -t tmpfs -o mode=700 tmpfs /run/trajgen && '
-         '"$0" -m pytest tests/ray_inner_tests.py -q -p no:cacheprovider')
+         '"$0" -m pytest tests/ray_inner_tests.py -q -n 0 -p no:cacheprovider')  # one module: one process
 END_TO_END = "tests/test_ray.py::test_ray_executor_end_to_end_in_a_private_network_namespace"
 
 
