@@ -7,6 +7,7 @@ are real. Every run's output and HOME live under the test's tmp_path.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import os
@@ -28,6 +29,8 @@ from tests.support.scripted_server import scripted_server  # noqa: F401  (fixtur
 # One event loop for the whole session, as a worker has one: a sandbox's command loop lives across
 # calls, and its pipes must not outlive the loop they belong to (asyncio.run per call closes it).
 _runner = asyncio.Runner()
+libc = ctypes.CDLL(None, use_errno=True)
+MNT_DETACH = 2
 
 
 def arun(coro):
@@ -40,6 +43,22 @@ def _one_loop():
     yield
     gc.collect()  # sandboxes the tests dropped release their pipes while the loop is still open
     _runner.close()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_mounted(request):
+    """Unmount what a test's sandboxes left mounted under its tmp_path (work dirs and PTY instances of
+    sandboxes opened without their run's cleanup): bubblewrap reads the whole mount table at every
+    bind, so mounts left over from past sessions made every later sandbox on the machine slower."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    under = os.path.realpath(tmp) + "/"
+    with open("/proc/self/mountinfo") as table:
+        points = [line.split()[4] for line in table if line.split()[4].startswith(under)]
+    for point in sorted(points, reverse=True):  # the deepest first
+        libc.umount2(point.encode(), MNT_DETACH)
 
 
 def pytest_configure(config) -> None:
