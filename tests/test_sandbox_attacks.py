@@ -32,7 +32,7 @@ from tests.support.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
 from trajgen.sandbox.backends import bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.roots import UID_BASE, UID_COUNT, new_root_dir
+from trajgen.sandbox.roots import ROOT_PREFIX, UID_BASE, UID_COUNT, new_root_dir
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -58,16 +58,29 @@ def _rows(runs: Runs, run_name: str) -> dict[str, dict]:
     return {r["conversations"][1]["value"]: r for r in read_jsonl(runs.run_dir(run_name) / "trajectories.jsonl")}
 
 
-def _peak_child_memory(process: subprocess.Popen) -> int:
-    """Run until `process` ends, returning the highest peak RSS (VmHWM, bytes) of its direct children: the workers."""
-    peak = 0
-    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+def _sandbox_mounts(pid: int | str) -> set[str]:
+    """The mount points of sandbox work dirs and PTY instances in the mount table of process `pid`."""
+    try:
+        table = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return set()
+    return {line.split()[4] for line in table.splitlines() if f"/{ROOT_PREFIX}" in line.split()[4]}
+
+
+def _children(pid: int | str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
+def _watch_workers(process: subprocess.Popen) -> tuple[int, set[str], set[str]]:
+    """Run until `process` ends: the highest peak RSS (VmHWM, bytes) of its children and theirs (the
+    fork server and the workers it forks), the sandbox mounts seen in their mount tables, and those
+    of them in the host's."""
+    peak, in_workers, in_host = 0, set(), set()
     while process.poll() is None:
-        try:
-            pids = children.read_text().split()
-        except OSError:
-            pids = []
-        for pid in pids:
+        for pid in [p for child in _children(process.pid) for p in (child, *_children(child))]:
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
@@ -75,8 +88,11 @@ def _peak_child_memory(process: subprocess.Popen) -> int:
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
                     peak = max(peak, int(line.split()[1]) * 1024)
+            mounts = _sandbox_mounts(pid)
+            in_workers |= mounts
+            in_host |= mounts & _sandbox_mounts("self")
         time.sleep(0.05)
-    return peak
+    return peak, in_workers, in_host
 
 
 FD_FILLER = """import os, resource, time
@@ -240,11 +256,11 @@ def local_attacks(tmp_path_factory, planted_symlink):
     flags = dict(distribution="default", num_workers=1, sandbox_memory=MEMORY_MB, sandbox_disk=DISK_MB,
                  concurrency=CONCURRENCY)
     process = cli.start(*cli.args(server, **flags))
-    peak = _peak_child_memory(process)
+    peak, mounts, leaked = _watch_workers(process)
     first = process.communicate()
     write_jsonl(cli.cwd / "again.jsonl", [{"prompt": "keyring reader"}])
     second = cli.run(*cli.args(server, run_name="later", dataset_file="again.jsonl"))
-    yield cli, server, peak, first, second
+    yield cli, server, (peak, mounts, leaked), first, second
     server.stop()
 
 
@@ -284,7 +300,7 @@ def test_memory_tmp_and_disk_fills_hit_the_sandbox_limits(local_attacks):
 
 @ROOT_ONLY
 def test_a_large_file_does_not_fill_the_worker(local_attacks):
-    cli, _, peak, *_ = local_attacks
+    cli, _, (peak, _, _), *_ = local_attacks
     made, read, patched, seen = tool_outputs(_rows(cli, "run")["big file"])
     assert made["output"] == "made\n"
     assert read["success"] is True and read["total_lines"] == BIG_FILE_MB << 20
@@ -293,6 +309,13 @@ def test_a_large_file_does_not_fill_the_worker(local_attacks):
     assert patched["success"] is False and "too large" in patched["error"]
     assert seen["success"] is False and "too large" in seen["error"]
     assert 0 < peak < (BIG_FILE_MB << 20) * 3 // 4, f"a worker peaked at {peak >> 20} MB"
+
+
+@ROOT_ONLY
+def test_the_sandboxes_mounts_stay_in_their_workers_mount_table(local_attacks):
+    _, _, (_, mounts, leaked), *_ = local_attacks
+    assert any(m.endswith(".pts") for m in mounts) and any(not m.endswith(".pts") for m in mounts), mounts
+    assert leaked == set()  # so no other process's sandbox reads them (bubblewrap parses the table at each bind)
 
 
 @ROOT_ONLY

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection, wait
 from trajgen.errors import WorkerCrashed
 from trajgen.messages import STOP_SIGNALS, Cancel, Cancelled, Event, Finished, Stop, Submit, without_landed_replies
 from trajgen.outcome import decide
+from trajgen.sandbox.backends import prepare_worker
 from trajgen.task import Task, WorkerConfig
 from trajgen.worker import Worker
 
@@ -69,6 +70,7 @@ def _worker_main(conn: Connection, config: WorkerConfig, environ: dict[str, str]
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (_start_fork_server)
     os.environ.clear()  # the fork server's environment is its start's; a library user may have changed it since
     os.environ.update(environ)
+    prepare_worker(config.sandbox)
     outbox = _Outbox(conn)
     asyncio.run(Worker(config, outbox.send).serve(conn))
     outbox.flush()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 
 from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, Sandbox, SandboxConfig, SandboxError, cgroups, shares, slots
 from trajgen.sandbox.local import bwrap_problem
-from trajgen.sandbox.roots import new_root_dir, release_root, remove_root
+from trajgen.sandbox.roots import new_root_dir, own_mount_table, release_root, remove_root
 
 __all__ = ["BACKENDS", "SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images",
-           "new_root_dir", "limit_notices", "prepare_host", "runs_images", "runtime_problem"]
+           "new_root_dir", "limit_notices", "prepare_host", "prepare_worker", "runs_images", "runtime_problem"]
 
 # backend name -> the module that declares its `BACKEND`, imported only when a run selects it: a local run loads
 # no container SDK
@@ -60,6 +61,17 @@ def prepare_host(config: SandboxConfig) -> list[str]:
     if config.backend == "modal":  # its sandboxes run on Modal's machines
         return []
     return [line] if (line := shares.widen_file_table()) else []
+
+
+def prepare_worker(config: SandboxConfig) -> None:
+    """In a worker process before its first thread: as root, a local run's worker gets a mount table of
+    its own (roots.own_mount_table). Without one, which a process with threads cannot have (a Ray actor),
+    its sandboxes work the same, only slower as the machine's table grows."""
+    if config.backend == "local" and os.geteuid() == 0:
+        try:
+            own_mount_table()
+        except OSError:
+            pass
 
 
 def cleanup(config: SandboxConfig) -> None:
