@@ -32,7 +32,7 @@ from tests.support.scripted_server import start_server
 from trajgen import locks
 from trajgen.sandbox import SandboxConfig, shares
 from trajgen.sandbox.backends import bwrap_problem, cleanup, open_sandbox
-from trajgen.sandbox.roots import ROOT_PREFIX, UID_BASE, UID_COUNT, new_root_dir
+from trajgen.sandbox.roots import ROOT_BASE, ROOT_PREFIX, UID_BASE, UID_COUNT, new_root_dir
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -58,13 +58,23 @@ def _rows(runs: Runs, run_name: str) -> dict[str, dict]:
     return {r["conversations"][1]["value"]: r for r in read_jsonl(runs.run_dir(run_name) / "trajectories.jsonl")}
 
 
-def _sandbox_mounts(pid: int | str) -> set[str]:
-    """The mount points of sandbox work dirs and PTY instances in the mount table of process `pid`."""
+def _run_roots(cli: int) -> tuple[str, ...]:
+    """The sandbox roots of the runner `cli`: each root's lock file holds its runner's pid."""
+    locks = Path(ROOT_BASE).glob(f"{ROOT_PREFIX}*.lock")
+    return tuple(str(lock)[:-len(".lock")] + "/" for lock in locks if _read(lock) == f"{cli}\n")
+
+
+def _read(path: Path) -> str:
     try:
-        table = Path(f"/proc/{pid}/mountinfo").read_text()
+        return path.read_text()
     except OSError:
-        return set()
-    return {line.split()[4] for line in table.splitlines() if f"/{ROOT_PREFIX}" in line.split()[4]}
+        return ""
+
+
+def _sandbox_mounts(pid: int | str, roots: tuple[str, ...]) -> set[str]:
+    """The mount points under `roots` (work dirs and PTY instances) in the mount table of process `pid`."""
+    table = _read(Path(f"/proc/{pid}/mountinfo"))
+    return {point for line in table.splitlines() if (point := line.split()[4]).startswith(roots)}
 
 
 def _children(pid: int | str) -> list[str]:
@@ -88,9 +98,10 @@ def _watch_workers(process: subprocess.Popen) -> tuple[int, set[str], set[str]]:
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
                     peak = max(peak, int(line.split()[1]) * 1024)
-            mounts = _sandbox_mounts(pid)
+            roots = _run_roots(process.pid)  # other tests' sandboxes, in this process or beside it, are not the run's
+            mounts = _sandbox_mounts(pid, roots)
             in_workers |= mounts
-            in_host |= mounts & _sandbox_mounts("self")
+            in_host |= mounts & _sandbox_mounts("self", roots)
         time.sleep(0.05)
     return peak, in_workers, in_host
 
