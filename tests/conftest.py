@@ -24,13 +24,13 @@ import pytest
 from tests.support import session as shared
 from tests.support.inline import ROOT, Runs, inline  # noqa: F401  (ROOT: public name; inline: fixture)
 from tests.support.scripted_server import scripted_server  # noqa: F401  (fixture)
+from trajgen.sandbox.roots import MNT_DETACH
 
 
 # One event loop for the whole session, as a worker has one: a sandbox's command loop lives across
 # calls, and its pipes must not outlive the loop they belong to (asyncio.run per call closes it).
 _runner = asyncio.Runner()
 libc = ctypes.CDLL(None, use_errno=True)
-MNT_DETACH = 2
 
 
 def arun(coro):
@@ -45,6 +45,15 @@ def _one_loop():
     _runner.close()
 
 
+def mount_points(pid: int | str, under: tuple[str, ...]) -> set[str]:
+    """The mount points under any of the dirs `under` (each ending in /) in process `pid`'s mount table."""
+    try:
+        table = Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return set()
+    return {point for line in table.splitlines() if (point := line.split()[4]).startswith(under)}
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_mounted(request):
     """Unmount what a test's sandboxes left mounted under its tmp_path (work dirs and PTY instances of
@@ -54,10 +63,7 @@ def _nothing_left_mounted(request):
     tmp = request.node.funcargs.get("tmp_path")
     if tmp is None:
         return
-    under = os.path.realpath(tmp) + "/"
-    with open("/proc/self/mountinfo") as table:
-        points = [line.split()[4] for line in table if line.split()[4].startswith(under)]
-    for point in sorted(points, reverse=True):  # the deepest first
+    for point in sorted(mount_points("self", (os.path.realpath(tmp) + "/",)), reverse=True):  # the deepest first
         libc.umount2(point.encode(), MNT_DETACH)
 
 

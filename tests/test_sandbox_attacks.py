@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI, call, kill_group, read_jsonl, think, tool_outputs, write_jsonl
+from tests.conftest import CLI, call, kill_group, mount_points, read_jsonl, think, tool_outputs, write_jsonl
 from tests.test_browser_tools import LAUNCH_PROBLEM, LOOPBACK_ONLY
 from tests.test_web_tools import local_site  # noqa: F401  (fixture)
 from tests.support.inline import Runs
@@ -59,22 +59,15 @@ def _rows(runs: Runs, run_name: str) -> dict[str, dict]:
 
 
 def _run_roots(cli: int) -> tuple[str, ...]:
-    """The sandbox roots of the runner `cli`: each root's lock file holds its runner's pid."""
-    locks = Path(ROOT_BASE).glob(f"{ROOT_PREFIX}*.lock")
-    return tuple(str(lock)[:-len(".lock")] + "/" for lock in locks if _read(lock) == f"{cli}\n")
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _sandbox_mounts(pid: int | str, roots: tuple[str, ...]) -> set[str]:
-    """The mount points under `roots` (work dirs and PTY instances) in the mount table of process `pid`."""
-    table = _read(Path(f"/proc/{pid}/mountinfo"))
-    return {point for line in table.splitlines() if (point := line.split()[4]).startswith(roots)}
+    """The sandbox roots of the runner `cli` (each ending in /): each root's lock file holds its runner's pid."""
+    roots = []
+    for lock in Path(ROOT_BASE).glob(f"{ROOT_PREFIX}*.lock"):
+        try:
+            if lock.read_text() == f"{cli}\n":
+                roots.append(str(lock)[:-len(".lock")] + "/")
+        except OSError:  # a root removed meanwhile
+            pass
+    return tuple(roots)
 
 
 def _children(pid: int | str) -> list[str]:
@@ -90,6 +83,7 @@ def _watch_workers(process: subprocess.Popen) -> tuple[int, set[str], set[str]]:
     of them in the host's."""
     peak, in_workers, in_host = 0, set(), set()
     while process.poll() is None:
+        roots = _run_roots(process.pid)  # other tests' sandboxes, in this process or beside it, are not the run's
         for pid in [p for child in _children(process.pid) for p in (child, *_children(child))]:
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
@@ -98,10 +92,9 @@ def _watch_workers(process: subprocess.Popen) -> tuple[int, set[str], set[str]]:
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
                     peak = max(peak, int(line.split()[1]) * 1024)
-            roots = _run_roots(process.pid)  # other tests' sandboxes, in this process or beside it, are not the run's
-            mounts = _sandbox_mounts(pid, roots)
+            mounts = mount_points(pid, roots)
             in_workers |= mounts
-            in_host |= mounts & _sandbox_mounts("self", roots)
+            in_host |= mounts & mount_points("self", roots)
         time.sleep(0.05)
     return peak, in_workers, in_host
 
