@@ -398,6 +398,27 @@ def test_the_sweep_removes_only_roots_whose_runner_is_dead_in_any_pid_namespace(
     assert not os.path.exists(alive_root)
 
 
+def test_runners_starting_at_once_neither_fail_nor_remove_each_others_roots():
+    """Every new root sweeps the stale ones: sweepers racing each other and a runner's fresh lock
+    must neither fail on a lock file already gone nor remove a root whose runner lives."""
+    code = """if True:
+        import os
+        from trajgen.sandbox import roots
+        for _ in range(150):
+            root = roots.new_root_dir()
+            os.close(roots._held.pop(roots.new_root_dir()))  # a stale root, as a killed runner leaves
+            roots.sweep_stale_roots()
+            assert os.path.isdir(root) and os.path.exists(root + ".lock"), root
+            roots.remove_root(root)
+            roots.release_root(root)
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    runners = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+               for _ in range(4)]
+    errors = [runner.communicate()[1] for runner in runners]
+    assert [runner.returncode for runner in runners] == [0] * 4, "\n".join(errors)
+
+
 def test_a_bare_config_has_no_side_effects(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     tempfile.tempdir = None

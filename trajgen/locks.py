@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -31,6 +32,28 @@ def acquire(path: Path, wait: bool = False) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def acquire_new(directory: Path, prefix: str, suffix: str) -> tuple[int, str]:
+    """Create a lock file of a fresh name in `directory` and take it. A sweeper may take and unlink
+    the file between its creation and our lock; then we try another name."""
+    while True:
+        fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=directory)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd, path
+        os.close(fd)
+
+
+def take_if_free(fd: int) -> bool:
+    """Take the lock of the file open at `fd` if nobody holds it and it still has a name: the right
+    to remove what it guards, which no other process then has."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return os.fstat(fd).st_nlink > 0
 
 
 def release(fd: int) -> None:

@@ -53,10 +53,9 @@ def private_base() -> Path:
 def new_root_dir() -> str:
     """Create the run's sandbox root and hold its lock; stale roots of dead runners go first."""
     sweep_stale_roots()
-    fd, lock = tempfile.mkstemp(prefix=ROOT_PREFIX, suffix=".lock", dir=private_base())
-    os.close(fd)
-    _held[lock.removesuffix(".lock")] = locks.acquire(Path(lock))
+    fd, lock = locks.acquire_new(private_base(), ROOT_PREFIX, ".lock")
     root = lock.removesuffix(".lock")
+    _held[root] = fd
     os.mkdir(root, 0o700)
     return root
 
@@ -84,14 +83,14 @@ def sweep_stale_roots() -> None:
                 lock = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=base)
             except OSError:  # a symlink (ELOOP) or gone
                 continue
-            try:
+            try:  # holding the lock: a runner starting now, or another sweeper, waits or moves on
                 info = os.fstat(lock)
-                if not stat.S_ISREG(info.st_mode) or info.st_uid != euid or locks.held_elsewhere(lock):
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != euid or not locks.take_if_free(lock):
                     continue
+                _remove_at(base, name.removesuffix(".lock"))
+                os.unlink(name, dir_fd=base)
             finally:
                 os.close(lock)
-            _remove_at(base, name.removesuffix(".lock"))
-            os.unlink(name, dir_fd=base)
     finally:
         os.close(base)
 
