@@ -18,7 +18,8 @@ from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open
 from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
-from tests.conftest import arun, call, think, write_jsonl
+from tests.conftest import arun, call, read_jsonl, think, tool_outputs, write_jsonl
+from tests.support.inline import when
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -472,6 +473,31 @@ def _zombie_children(pid: int) -> list[int]:
         except OSError:
             pass
     return zombies
+
+
+def _children_named(name: str) -> list[int]:
+    """This process's children (from any of its threads) running `name`."""
+    pids = [int(p) for children in Path("/proc/self/task").glob("*/children") for p in children.read_text().split()]
+    found = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
+def test_a_prompts_sandbox_starts_while_its_first_call_runs(inline, scripted_server):
+    """A sandbox's start-up (bubblewrap, its namespaces, the command loop) is off the prompt's path: it
+    runs while the first model call is unanswered, and the first command finds it running."""
+    server = scripted_server({"default": [{**call("terminal", command="echo hi"), "gate": "first"}, think()]})
+    write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
+    with when(lambda: len(server.requests()) == 1 and _children_named("bwrap"), lambda: server.open_gate("first")):
+        done = inline.run(*inline.args(server))
+    assert done.returncode == 0, done.stderr
+    [row] = read_jsonl(inline.run_dir() / "batch_0.jsonl")
+    assert tool_outputs(row)[0]["output"] == "hi\n"
 
 
 def test_a_runner_that_is_pid_1_is_left_no_zombie_per_sandbox(cli, scripted_server):

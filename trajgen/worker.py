@@ -17,7 +17,8 @@ from trajgen.errors import APITimeoutError, EndpointUnreachable, FatalAPIError, 
 from trajgen.messages import Cancel, Cancelled, Event, Fatal, Finished, Log, Retrying, Stop, Submit, Throttled
 from trajgen.model import Metered, OpenAIModel
 from trajgen.outcome import PromptOutcome, decide
-from trajgen.sandbox import Sandbox
+from trajgen.plan import needs_sandbox
+from trajgen.sandbox import Sandbox, SandboxError
 from trajgen.sandbox.backends import open_sandbox
 from trajgen.tools import ToolContext, ToolSpec
 from trajgen.task import ModelSettings, Task, WorkerConfig
@@ -26,27 +27,44 @@ _PROMPT: contextvars.ContextVar[str] = contextvars.ContextVar("prompt")  # the k
 
 
 class _Prompt:
-    """One prompt's lazily opened sandbox and the cleanups its tools registered."""
+    """One prompt's sandbox, opened at its first use or started ahead, and the cleanups its tools registered."""
 
     def __init__(self, task: Task, config: WorkerConfig):
         self.task, self.config = task, config
-        self.sandbox: Sandbox | None = None
+        self.opening: asyncio.Future[Sandbox] | None = None  # shared: a caller's cancellation must not lose the sandbox
         self.side: dict[str, roles.SideModel] = {}  # the side models this prompt asked, by role
         self.ctx = ToolContext(sandbox=self.get_sandbox, command_timeout=config.sandbox.command_timeout,
                                settings=config.tools)
 
     async def get_sandbox(self) -> Sandbox:
-        if self.sandbox is None:
-            self.sandbox = await asyncio.to_thread(
-                open_sandbox, self.config.sandbox, self.task.key, self.task.image, self.task.cwd
-            )
-        return self.sandbox
+        """The prompt's sandbox, once started if it was started ahead; an opening that failed is tried again."""
+        if self.opening is None or (self.opening.done() and self.opening.exception() is not None):
+            self.opening = asyncio.ensure_future(self._open(start=False))
+        return await asyncio.shield(self.opening)
+
+    def start_ahead(self) -> None:
+        """Open and start the sandbox while the prompt's first model call runs, so that its start-up is
+        off the prompt's path."""
+        self.opening = asyncio.ensure_future(self._open(start=True))
+
+    async def _open(self, start: bool) -> Sandbox:
+        sandbox = await asyncio.to_thread(open_sandbox, self.config.sandbox, self.task.key, self.task.image,
+                                          self.task.cwd)
+        if start:
+            try:
+                await sandbox.start()
+            except SandboxError:  # its first command starts it again, and says why it cannot
+                pass
+        return sandbox
 
     async def close(self) -> None:
         closers = [c() for c in self.ctx.cleanups]
-        if self.sandbox is not None:
-            closers.append(self.sandbox.close())
-        await asyncio.shield(asyncio.gather(*closers, return_exceptions=True))
+        if self.opening is not None:
+            closers.append(self._close_sandbox())
+        await asyncio.gather(*closers, return_exceptions=True)
+
+    async def _close_sandbox(self) -> None:
+        await (await self.opening).close()  # one being opened or started is closed once it is
 
 
 class Worker:
@@ -60,6 +78,7 @@ class Worker:
         self.cache = journal.Cache(config.cache_dir, config.cache_max_mb) if config.cache_dir else None
         self.schemas: dict[tuple[str, ...], tuple[list[ToolSpec], list[dict]]] = {}
         self.running: dict[str, asyncio.Task] = {}
+        self.closing: set[asyncio.Task] = set()  # prompts' sandboxes closing after their outcome went out
 
     def tools_for(self, toolsets: list[str]) -> tuple[list[ToolSpec], list[dict]]:
         """Schemas are built once per toolset combination, not per prompt."""
@@ -89,16 +108,21 @@ class Worker:
 
     async def run_one(self, task: Task) -> None:
         """Run one prompt to its outcome and send it; a fatal endpoint error also stops the run. Every
-        prompt sent here ends with a Finished: an error nobody foresaw fails it, never leaves it in flight."""
+        prompt sent here ends with a Finished: an error nobody foresaw fails it, never leaves it in flight.
+        Its sandbox closes after that, off the prompt's path; cancel_all waits for it."""
         _PROMPT.set(task.key)  # this prompt's own asyncio task: its context is its own
         prompt = _Prompt(task, self.config)
+        if needs_sandbox(task):
+            prompt.start_ahead()
         try:
             outcome = await self._converse(task, prompt)
         except Exception as e:  # _converse decides its own errors: this is a bug in deciding one
             outcome = decide(task, error=e)
         finally:
-            await prompt.close()
             self.running.pop(task.key, None)
+            closing = asyncio.create_task(prompt.close())
+            self.closing.add(closing)
+            closing.add_done_callback(self.closing.discard)
         if outcome.reason == FatalAPIError.__name__:
             self.send(Fatal(outcome.message))
         elif outcome.reason == SideEndpointUnreachable.__name__:
@@ -192,7 +216,9 @@ class Worker:
             await endpoint.close()
 
     async def cancel_all(self) -> None:
+        """Cancel every prompt in flight and wait until every sandbox is closed."""
         pending = list(self.running.values())
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*self.closing)

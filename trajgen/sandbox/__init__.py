@@ -3,8 +3,8 @@
 This module holds the data and the protocol; `backends` opens sandboxes by backend name, importing a backend's
 module only when a run selects it
 (`local`: bubblewrap, `docker`, `apptainer`, `modal`), `process` runs and caps commands. A backend builds one
-sandbox per prompt, lazily, at the prompt's first tool call; the conversation closes it when
-the prompt ends. Every backend returns plain data, and nothing here has side effects until a
+sandbox per prompt, started while the prompt's first model call runs (or at its first tool call);
+the conversation closes it when the prompt ends. Every backend returns plain data, and nothing here has side effects until a
 sandbox is opened: a bare `SandboxConfig()` creates no directory.
 """
 from __future__ import annotations
@@ -64,6 +64,11 @@ class SandboxConfig:
 
 class Sandbox(Protocol):
     cwd: str  # the working directory as the model sees it
+
+    async def start(self) -> None:
+        """Start what its first command needs (a command loop, a container), ahead of that command;
+        a first command starts it anyway."""
+        ...
 
     async def run(self, command: str, timeout: float) -> ExecResult: ...
 

@@ -152,6 +152,9 @@ class ApptainerSandbox:
         return [str(c.cpu_seconds), str(c.file_size_mb << 11), str(c.memory_mb << 10),
                 str(shares.open_files(c.slots, c.max_processes))]
 
+    async def start(self) -> None:
+        await self._instance()
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         await self._instance()
         argv = self._exec("sh", "-c", LIMITED_CALL, "sh", *self._limits(), command)

@@ -34,7 +34,7 @@ def backend(name: str) -> Backend:
 
 
 def open_sandbox(config: SandboxConfig, key: str, image: str | None = None, cwd: str | None = None) -> Sandbox:
-    """One prompt's sandbox; `key` names its work dir or container. Containers start lazily, at first use."""
+    """One prompt's sandbox; `key` names its work dir or container. Nothing runs until its `start` or first use."""
     return backend(config.backend).open(config, key, image, cwd)
 
 

@@ -150,6 +150,11 @@ class DockerSandbox:
         holds it). It ends when its stdin closes, or with the container."""
         return await start_exec(await self._container(), self._user, command, stdin=True, env=env)
 
+    async def start(self) -> None:
+        await self._container()
+        if self._loop is not None:
+            await self._loop.start()
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         cid = await self._container()
         if self._loop is not None:

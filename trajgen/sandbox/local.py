@@ -194,6 +194,10 @@ class LocalSandbox:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir)
 
+    async def start(self) -> None:
+        if self._supervisor:
+            await self._supervisor.start()
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         if self._supervisor is None:
             return await run_process([*prlimit_argv(self.config), "bash", "-c", command], timeout,

@@ -1,10 +1,11 @@
 """The `modal` backend: one Modal sandbox per prompt, driven through the modal SDK's async interface.
 
-Modal runs the sandbox off this machine; its runtime is the boundary. The sandbox is created at
-the prompt's first tool call from the row's registry image (entrypoint cleared, the image checked
-once per run by `check_image`), under the `--modal_app` app, with no network unless asked, the
-run's CPU and memory as request and limit, a lifetime of `--modal_timeout`, and tags for the
-session, the run and the prompt, so `remove` can find what a crashed or killed runner left.
+Modal runs the sandbox off this machine; its runtime is the boundary. The sandbox is created
+at the prompt's start (`start`) or its first tool call, from the row's registry image (entrypoint
+cleared, the image checked once per run by `check_image`), under the `--modal_app` app, with no
+network unless asked, the run's CPU and memory as request and limit, a lifetime of
+`--modal_timeout`, and tags for the session, the run and the prompt, so `remove` can find what a
+crashed or killed runner left.
 Commands, reads and writes all go through `Sandbox.exec`; every terminal call ends with the docker
 backend's `kill -9 -1` wrapper, so nothing a call starts outlives it, and the file contents cross on
 the exec's stdin and stdout, never in its (size-limited) arguments. Credentials are Modal's own
@@ -129,6 +130,9 @@ class ModalSandbox:
 
     async def _exec(self, *args: str, timeout: float, stderr: bool = True):
         return await _exec(await self._get(), *args, timeout=timeout, workdir=self.cwd, stderr=stderr)
+
+    async def start(self) -> None:
+        await self._get()
 
     async def run(self, command: str, timeout: float) -> ExecResult:
         capture = Capture()

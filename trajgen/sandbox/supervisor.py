@@ -94,6 +94,11 @@ class Supervisor:
         self._channel: Channel | None = None
         self._lock = asyncio.Lock()
 
+    async def start(self) -> None:
+        """Start the loop ahead of the first command."""
+        async with self._lock:
+            self._channel = self._channel or await self._start()
+
     async def run(self, command: str, timeout: float) -> ExecResult:
         async with self._lock:
             channel = self._channel = self._channel or await self._start()
