@@ -92,7 +92,10 @@ def test_a_server_that_dies_mid_run_stops_it_with_the_cause_and_the_run_resumes(
         os.kill(server, signal.SIGILL)  # what a build for another CPU dies of
 
     # once one prompt is done, the next one in flight
-    with stopped_if_it_hangs(420), when(lambda: _rows(inline.run_dir("demo")), kill_the_server, timeout=300):
+    def a_row_landed() -> bool:  # whole lines only: a row being written is never parsed half-way
+        return any(p.read_bytes().count(b"\n") for p in inline.run_dir("demo").glob("batch_*.jsonl"))
+
+    with stopped_if_it_hangs(420), when(a_row_landed, kill_the_server, timeout=300):
         stopped = inline.run("--dataset_file=prompts.jsonl", "--run_name=demo", *LOCAL_FLAGS)
         assert stopped.returncode == 1, stopped.stderr  # here, so that a run that ended otherwise says how
     lines = stopped.stderr.splitlines()
