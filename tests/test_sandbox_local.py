@@ -337,10 +337,13 @@ def test_close_removes_the_work_dir_unless_kept(config, tmp_path):
     arun(sandbox.close())
     assert not os.path.exists(sandbox.host_dir)
     kept_config = SandboxConfig(root_dir=str(tmp_path / "kept"), keep=True)
-    kept = open_sandbox(kept_config, "p1", None, None)
-    run(kept, "echo x > file")
-    arun(kept.close())
-    assert os.path.exists(os.path.join(kept.host_dir, "file"))
+    try:
+        kept = open_sandbox(kept_config, "p1", None, None)
+        run(kept, "echo x > file")
+        arun(kept.close())
+        assert os.path.exists(os.path.join(kept.host_dir, "file"))
+    finally:
+        cleanup(kept_config)  # its session's cgroups; the work dir stays, as the run's would
 
 
 def test_cleanup_removes_leftovers_and_can_repeat(config):
