@@ -6,13 +6,15 @@ import http.client
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import arun
+from tests.conftest import arun, mount_points
 from trajgen.sandbox import SandboxError, read_file
 from trajgen.sandbox.backends import SandboxConfig, check_images, cleanup, open_sandbox
 from trajgen.sandbox.docker_client import call, engine
+from trajgen.sandbox.roots import UID_LOCKS
 
 pytest_plugins = ["tests.dockerd"]
 
@@ -134,11 +136,23 @@ def test_files_go_through_the_container(config, busybox_image):
     assert content == b"line\nmore\n"
 
 
+def _uids_held() -> list[str]:
+    """The uid locks this process holds open (roots.take_uid)."""
+    fds = Path("/proc/self/fd")
+    return sorted(target for fd in fds.iterdir() if (target := os.path.realpath(fd)).startswith(str(UID_LOCKS)))
+
+
 def test_missing_image_fails_clearly_and_check_images_says_why(config, busybox_image):
+    held_before = _uids_held()
     sandbox = open_sandbox(config, "p1", MISSING, None)
     started = time.monotonic()
     with pytest.raises(SandboxError, match="cannot start a container from image 127.0.0.1:1/trajgen-missing"):
-        run(sandbox, "true")
+        arun(sandbox.start())  # as a prompt starts it ahead
+    with pytest.raises(SandboxError, match="cannot start a container from image 127.0.0.1:1/trajgen-missing"):
+        run(sandbox, "true")  # its first command tries again
+    arun(sandbox.close())
+    assert _uids_held() == held_before  # each try took the same uid, given back at the close
+    assert mount_points("self", (os.path.realpath(config.root_dir) + "/",)) == set()  # no PTY instance left
     report = asyncio.run(check_images([busybox_image, MISSING, busybox_image], config))
     assert time.monotonic() - started < 30
     assert list(report) == [busybox_image, MISSING]

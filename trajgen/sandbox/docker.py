@@ -112,7 +112,7 @@ class DockerSandbox:
         }
 
     async def _start(self) -> str:
-        if not self.config.docker_root:
+        if not self.config.docker_root and self._uid is None:  # a start tried again keeps the uid it took
             try:
                 self._uid = await asyncio.to_thread(roots.take_uid)
             except OSError as e:
