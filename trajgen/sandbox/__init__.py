@@ -4,8 +4,8 @@ This module holds the data and the protocol; `backends` opens sandboxes by backe
 module only when a run selects it
 (`local`: bubblewrap, `docker`, `apptainer`, `modal`), `process` runs and caps commands. A backend builds one
 sandbox per prompt, started while the prompt's first model call runs (or at its first tool call);
-the conversation closes it when the prompt ends. Every backend returns plain data, and nothing here has side effects until a
-sandbox is opened: a bare `SandboxConfig()` creates no directory.
+the conversation closes it when the prompt ends. Every backend returns plain data, and nothing
+here has side effects until a sandbox is opened: a bare `SandboxConfig()` creates no directory.
 """
 from __future__ import annotations
 
