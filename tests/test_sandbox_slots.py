@@ -104,3 +104,34 @@ def test_a_group_still_counting_an_unreaped_task_is_not_reused(config):
         arun(second.close())
     finally:
         unreaped.wait()
+
+
+def test_new_slots_look_for_a_uid_past_the_last_one_taken_until_one_is_freed(config, monkeypatch):
+    """A run's first sandboxes all make slots: probing every uid the worker already holds again for
+    each one made the run's start cost O(C^2) lock probes (bench/RESULTS.md)."""
+    take, starts = roots.take_uid, []
+
+    def recording(start):
+        starts.append(start)
+        return take(start)
+
+    monkeypatch.setattr(roots, "take_uid", recording)
+    monkeypatch.setattr(slots, "_next_uid", roots.UID_BASE)
+    made = [slots.take(config) for _ in range(3)]
+    slots.free(made.pop())
+    made.append(slots.take(config))
+    for slot in made:
+        slots.free(slot)
+    assert starts == [roots.UID_BASE, made[0].uid + 1, made[1].uid + 1, roots.UID_BASE]
+
+
+def test_a_uid_is_looked_for_from_the_start_given_round_to_the_lowest():
+    last = roots.UID_BASE + roots.UID_COUNT - 1
+    uid, lock = roots.take_uid(last)
+    try:
+        assert uid == last  # nothing else takes uids from the top
+        wrapped, other = roots.take_uid(last)
+        locks.release(other)
+        assert roots.UID_BASE <= wrapped < last
+    finally:
+        locks.release(lock)

@@ -12,6 +12,7 @@ a process limit or the right to signal each other.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import stat
@@ -197,11 +198,14 @@ def loop_uid(uid: int) -> int:
     return uid + UID_COUNT
 
 
-def take_uid() -> tuple[int, int]:
-    """(a uid no live sandbox on this machine has, the fd holding it): give the fd to `release`."""
+def take_uid(start: int = UID_BASE) -> tuple[int, int]:
+    """(a uid no live sandbox on this machine has, the fd holding it): give the fd to `release`. The
+    lowest free one from `start` (wrapping round): a caller that takes many in a row passes the one
+    after its last, so it does not probe again each uid it holds itself."""
     held = UID_LOCKS if os.geteuid() == 0 else private_base() / "uids"  # a user's: for its containers' uids
     held.mkdir(mode=0o700, exist_ok=True)
-    for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: few lock files ever exist
+    start = start if UID_BASE <= start < UID_BASE + UID_COUNT else UID_BASE
+    for uid in itertools.chain(range(start, UID_BASE + UID_COUNT), range(UID_BASE, start)):
         try:
             return uid, locks.acquire(held / str(uid))
         except locks.LockHeld:

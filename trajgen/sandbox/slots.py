@@ -4,8 +4,8 @@ cgroup and a devpts instance, kept for the worker's next sandbox once every proc
 Taking a uid (a scan of the machine's uid locks), making a memory cgroup and mounting a devpts
 instance, then undoing it all, cost more than the rest of a fresh sandbox outside bubblewrap
 (bench/RESULTS.md). Once a sandbox's cgroup is emptied nothing of it runs, so its uid, group and
-PTY instance are what the next sandbox would get fresh: the lowest free uid goes to the next
-sandbox anyway, an empty group keeps only reclaimable page cache charged to it, and nothing in a
+PTY instance are what the next sandbox would get fresh: any free uid serves it as well as
+another, an empty group keeps only reclaimable page cache charged to it, and nothing in a
 sandbox can change a group's limits (no /sys there) or an instance's options. Without a cgroup
 nothing proves the processes gone, so nothing is kept; nor with --keep_sandboxes, whose kept work
 dirs stay charged to their group. An MCP server's bubblewrap killed with its group leaves its init
@@ -32,10 +32,12 @@ class Slot:
 
 _spares: dict[SandboxConfig, list[Slot]] = {}  # by run: a slot's limits and root are its run's
 _names = itertools.count()
+_next_uid = roots.UID_BASE  # where the next new slot's uid is looked for: past the last one taken, until one is freed
 
 
 def take(config: SandboxConfig) -> Slot:
     """A slot a closed sandbox of this process left (give_back), else a new one; OSError if one cannot be made."""
+    global _next_uid
     spares = _spares.setdefault(config, [])
     while True:
         try:
@@ -45,7 +47,8 @@ def take(config: SandboxConfig) -> Slot:
         if _intact(slot):
             return slot
         free(slot)
-    uid, lock = roots.take_uid()
+    uid, lock = roots.take_uid(_next_uid)  # a run's first sandboxes all make slots: without this, O(C) probes each
+    _next_uid = uid + 1
     pts = group = None
     try:
         name = f"{os.getpid()}-{next(_names)}"
@@ -73,7 +76,9 @@ def give_back(slot: Slot, config: SandboxConfig) -> None:
 
 
 def free(slot: Slot) -> None:
-    """Remove its group and instance and give up its uid."""
+    """Remove its group and instance and give up its uid (the lowest free ones go first again)."""
+    global _next_uid
+    _next_uid = roots.UID_BASE
     try:
         if slot.group:
             slot.group.remove()
