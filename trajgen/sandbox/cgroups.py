@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import time
 from pathlib import Path
 
@@ -81,9 +80,13 @@ class Group:
         """How many processes the kernel killed for going over the memory limit so far."""
         if self._oom_file is None:
             return 0
-        with open(self._oom_file) as f:
-            match = re.search(r"^oom_kill (\d+)", f.read(), re.M)
-        return int(match.group(1)) if match else 0
+        fd = os.open(self._oom_file, os.O_RDONLY | os.O_CLOEXEC)  # twice a command: a third of the cost of open()
+        try:
+            counts = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        at = counts.find(b"\noom_kill ") + 1  # the line, not oom_kill_disable nor oom_group_kill
+        return int(counts[at + 9:counts.index(b"\n", at)]) if at else 0
 
     def counted_tasks(self) -> int:
         """The tasks its pids limit counts: those not yet reaped too (an orphan that only the host's
