@@ -104,7 +104,8 @@ class Supervisor:
             channel = self._channel = self._channel or await self._start()
             capture = Capture()
             try:
-                code = await asyncio.wait_for(self._exchange(channel, command, capture), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: no task of its own per command
+                    code = await self._exchange(channel, command, capture)
             except TimeoutError:
                 await self.stop()
                 return ExecResult(capture.text(), None, f"timed out after {timeout:g} s; the command and its children were killed")
