@@ -22,7 +22,7 @@ from pathlib import Path
 from trajgen.sandbox.process import kill_pids
 
 CGROUP_FS = Path("/sys/fs/cgroup")
-V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_CONTROLLERS = ("pids", "memory", "cpu")  # pids first: a task in any of a group's hierarchies is counted there (Group.kill)
 V1_FREEZER = "freezer"
 V2_CONTROLLERS = ("memory", "pids")
 KILL_DEADLINE = 10.0
@@ -80,18 +80,14 @@ class Group:
         """How many processes the kernel killed for going over the memory limit so far."""
         if self._oom_file is None:
             return 0
-        fd = os.open(self._oom_file, os.O_RDONLY | os.O_CLOEXEC)  # twice a command: a third of the cost of open()
-        try:
-            counts = os.read(fd, 4096)
-        finally:
-            os.close(fd)
+        counts = _read(self._oom_file)
         at = counts.find(b"\noom_kill ") + 1  # the line, not oom_kill_disable nor oom_group_kill
         return int(counts[at + 9:counts.index(b"\n", at)]) if at else 0
 
     def counted_tasks(self) -> int:
         """The tasks its pids limit counts: those not yet reaped too (an orphan that only the host's
         init reaps, bubblewrap's own init killed with it), which cgroup.procs no longer lists."""
-        return sum(int(Path(f).read_text()) for f in self._pids_files)
+        return sum(int(_read(f)) for f in self._pids_files)
 
     @functools.cached_property
     def _pids_files(self) -> list[str]:
@@ -118,7 +114,7 @@ class Group:
         KILL_DEADLINE. v2's cgroup.kill does it in the kernel; else the group is frozen while it is
         listed and signalled, so no process can fork a new one in between."""
         deadline = time.monotonic() + KILL_DEADLINE
-        while pids := self.pids():
+        while self.counted_tasks() and (pids := self.pids()):  # a counter's read, not four listings, when empty
             if time.monotonic() > deadline:
                 raise OSError(f"{len(pids)} process(es) of the sandbox were still alive {KILL_DEADLINE:g} s after "
                               "SIGKILL")
@@ -177,6 +173,15 @@ def remove(run_id: str = "*", label: str = "*") -> None:
         for key in keys:  # each group across its hierarchies, so that it is killed frozen
             Group(tuple(base / name / key for base in bases)).remove()
         _remove(tuple(base / name for base in bases))
+
+
+def _read(path: str) -> bytes:
+    """A small counter file: read around every command and at each sandbox's end, at a third of open()'s cost."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def _session(run_id: str, label: str) -> str:
