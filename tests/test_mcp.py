@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -24,7 +25,7 @@ from tests.conftest import arun, call, read_jsonl, think, write_jsonl
 from trajgen.errors import UsageError
 from trajgen import verify
 from trajgen.sandbox import SandboxConfig, SandboxError, cgroups, read_file, stdio
-from trajgen.sandbox.backends import bwrap_problem, open_sandbox
+from trajgen.sandbox.backends import bwrap_problem, cleanup, open_sandbox
 from trajgen.tools import ToolContext, ToolSettings
 from trajgen import trajectory
 from trajgen.tools import mcp, mcp_config
@@ -114,8 +115,10 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def sandbox_config(tmp_path) -> SandboxConfig:
-    return SandboxConfig(root_dir=str(tmp_path / "sandboxes"), command_timeout=30)
+def sandbox_config(tmp_path) -> Iterator[SandboxConfig]:
+    config = SandboxConfig(root_dir=str(tmp_path / "sandboxes"), command_timeout=30)
+    yield config
+    cleanup(config)  # the kept slots' uids, groups and PTY instances, as a run's end gives them up
 
 
 def probe(config: SandboxConfig, tool_timeout: float = 60, allow_private: bool = False, **servers) -> dict:
@@ -142,8 +145,8 @@ class Prompt:
 
     def close(self) -> None:
         async def close():
-            for cleanup in self.ctx.cleanups:
-                await cleanup()
+            for undo in self.ctx.cleanups:
+                await undo()
             if self.box is not None:
                 await self.box.close()
         arun(close())
