@@ -99,6 +99,13 @@ class Group:
         names = (d / name for d in self.dirs for name in ("memory.events", "memory.oom_control"))
         return next((str(path) for path in names if path.exists()), None)
 
+    def _may_hold_tasks(self) -> bool:
+        """False when its counter says it holds nothing, or it is gone: a read instead of four listings."""
+        try:
+            return self.counted_tasks() > 0
+        except FileNotFoundError:
+            return False
+
     def pids(self) -> set[int]:
         """The processes in the group now (a killed one leaves it as it dies, before it is reaped)."""
         found: set[int] = set()
@@ -114,7 +121,7 @@ class Group:
         KILL_DEADLINE. v2's cgroup.kill does it in the kernel; else the group is frozen while it is
         listed and signalled, so no process can fork a new one in between."""
         deadline = time.monotonic() + KILL_DEADLINE
-        while self.counted_tasks() and (pids := self.pids()):  # a counter's read, not four listings, when empty
+        while self._may_hold_tasks() and (pids := self.pids()):
             if time.monotonic() > deadline:
                 raise OSError(f"{len(pids)} process(es) of the sandbox were still alive {KILL_DEADLINE:g} s after "
                               "SIGKILL")
