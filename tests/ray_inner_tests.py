@@ -45,7 +45,7 @@ from trajgen.errors import WorkerCrashed  # noqa: E402
 from trajgen.messages import Event, Fatal, Finished, Log, Throttled  # noqa: E402
 from trajgen.plan import Plan  # noqa: E402
 from trajgen.ray_executor import RayPool  # noqa: E402
-from trajgen.sandbox.backends import SandboxConfig  # noqa: E402
+from trajgen.sandbox.backends import SandboxConfig, cleanup  # noqa: E402
 from trajgen.tools import ToolSettings  # noqa: E402
 from trajgen.task import ModelSettings, Task, WorkerConfig  # noqa: E402
 
@@ -92,12 +92,23 @@ def _task(i: int, prompt: str) -> Task:
                 toolsets_sampled=["terminal"], toolsets_offered=["terminal"])
 
 
+_SANDBOXES: list[SandboxConfig] = []  # the pools' sandbox settings, given up after each test
+
+
+@pytest.fixture(autouse=True)
+def _slots_given_up():
+    """A killed actor cannot give up its sandboxes' cgroups (a run's next invocation does, by run id): the test does."""
+    yield
+    while _SANDBOXES:
+        cleanup(_SANDBOXES.pop())
+
+
 def _pool(server, tmp_path: Path, crash_retries: int, address: str | None = None,
           num_workers: int | None = 2) -> RayPool:
+    _SANDBOXES.append(SandboxConfig(root_dir=str(tmp_path / "sandboxes")))
     config = WorkerConfig(
         model=ModelSettings(model="test-model", base_url=server.url, api_key="dummy-key", max_retries=1),
-        sandbox=SandboxConfig(root_dir=str(tmp_path / "sandboxes")), tools=ToolSettings(), unavailable_tools={},
-        concurrency=4)
+        sandbox=_SANDBOXES[-1], tools=ToolSettings(), unavailable_tools={}, concurrency=4)
     return RayPool(num_workers, config, address, worker_memory=256, crash_retries=crash_retries)
 
 
