@@ -66,7 +66,8 @@ def main() -> None:
         for name, tree in trees.items():
             ms[name].append(one_round(tree, args.workers, args.concurrency))
     for name, values in ms.items():
-        print(f"{name}: {statistics.median(values):.2f} ms of CPU a slot (rounds: {', '.join(f'{v:.2f}' for v in values)})")
+        rounds = ", ".join(f"{v:.2f}" for v in values)
+        print(f"{name}: {statistics.median(values):.2f} ms of CPU a slot (rounds: {rounds})")
 
 
 if __name__ == "__main__":

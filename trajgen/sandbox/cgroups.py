@@ -22,7 +22,7 @@ from pathlib import Path
 from trajgen.sandbox.process import kill_pids
 
 CGROUP_FS = Path("/sys/fs/cgroup")
-V1_CONTROLLERS = ("pids", "memory", "cpu")  # pids first: a task in any of a group's hierarchies is counted there (Group.kill)
+V1_CONTROLLERS = ("pids", "memory", "cpu")  # pids joined first: a task in any of a group's is counted (Group.kill)
 V1_FREEZER = "freezer"
 V2_CONTROLLERS = ("memory", "pids")
 KILL_DEADLINE = 10.0
