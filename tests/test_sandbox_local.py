@@ -19,7 +19,7 @@ from trajgen.sandbox.local import LocalSandbox
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
 from tests.conftest import arun, call, read_jsonl, think, tool_outputs, write_jsonl
-from tests.support.inline import when
+from tests.support.inline import stopped_if_it_hangs, when
 
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"bubblewrap cannot run here: {bwrap_problem()}")
 
@@ -496,7 +496,9 @@ def test_a_prompts_sandbox_starts_while_its_first_call_runs(inline, scripted_ser
     runs while the first model call is unanswered, and the first command finds it running."""
     server = scripted_server({"default": [{**call("terminal", command="echo hi"), "gate": "first"}, think()]})
     write_jsonl(inline.cwd / "prompts.jsonl", [{"prompt": "p"}])
-    with when(lambda: len(server.requests()) == 1 and _children_named("bwrap"), lambda: server.open_gate("first")):
+    started_ahead = lambda: len(server.requests()) == 1 and _children_named("bwrap")  # noqa: E731
+    # without a start ahead the gate never opens: the run is stopped, and `when` fails, instead of waiting on the call
+    with stopped_if_it_hangs(120), when(started_ahead, lambda: server.open_gate("first")):
         done = inline.run(*inline.args(server))
     assert done.returncode == 0, done.stderr
     [row] = read_jsonl(inline.run_dir() / "batch_0.jsonl")
