@@ -185,11 +185,12 @@ def section_pool(args) -> dict:
 
 SANDBOX_MICRO = r"""
 import asyncio, json, os, resource, sys, tempfile, time
-from trajgen.sandbox.backends import SandboxConfig, cleanup, open_sandbox
+from trajgen.sandbox.backends import SandboxConfig, cleanup, open_sandbox, prepare_worker
 from trajgen.sandbox.local import LocalSandbox
 
 variant, conc, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 config = SandboxConfig(root_dir=tempfile.mkdtemp(prefix="bench-sandbox-"), network=variant == "fresh-with-network")
+prepare_worker(config)  # as a run's worker does before its first sandbox
 
 def make(key):
     if variant != "plain":

@@ -547,3 +547,19 @@ def test_a_command_loop_that_outlives_the_end_of_its_input_goes_with_its_group(t
 
 def test_killing_pids_already_gone_is_no_error():
     kill_pids([int(Path("/proc/sys/kernel/pid_max").read_text()) + 1])  # above pid_max: no process has it
+
+
+def test_a_worker_waits_for_its_sandboxes_processes_without_a_thread_each(tmp_path):
+    """Python 3.11's asyncio would start a thread per child process, one per sandbox started (prepare_worker)."""
+    code = f"""
+import asyncio, threading
+from trajgen.sandbox.backends import SandboxConfig, prepare_worker
+prepare_worker(SandboxConfig(root_dir={str(tmp_path)!r}))
+async def main():
+    children = [await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.2; exit {{i}}") for i in range(3)]
+    threads = threading.active_count()
+    print(threads, [await child.wait() for child in children])
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[0] == "1 [0, 1, 2]", done.stdout + done.stderr

@@ -12,6 +12,7 @@ import os
 
 from trajgen.sandbox import RUN_TAG, SESSION_TAG, Backend, Sandbox, SandboxConfig, SandboxError, cgroups, shares, slots
 from trajgen.sandbox.local import bwrap_problem
+from trajgen.sandbox.process import watch_children_with_pidfds
 from trajgen.sandbox.roots import new_root_dir, own_mount_table, release_root, remove_root
 
 __all__ = ["BACKENDS", "SandboxConfig", "open_sandbox", "cleanup", "reap", "bwrap_problem", "check_images",
@@ -64,9 +65,11 @@ def prepare_host(config: SandboxConfig) -> list[str]:
 
 
 def prepare_worker(config: SandboxConfig) -> None:
-    """In a worker process before its first thread: as root, a local run's worker gets a mount table of
-    its own (roots.own_mount_table). Without one, which a process with threads cannot have (a Ray actor),
-    its sandboxes work the same, only slower as the machine's table grows."""
+    """In a worker process before its first thread: its children are watched by pidfd, and as root, a
+    local run's worker gets a mount table of its own (roots.own_mount_table). Without one, which a process
+    with threads cannot have (a Ray actor), its sandboxes work the same, only slower as the machine's
+    table grows."""
+    watch_children_with_pidfds()
     if config.backend == "local" and os.geteuid() == 0:
         try:
             own_mount_table()
