@@ -556,8 +556,11 @@ import asyncio, threading
 from trajgen.sandbox.backends import SandboxConfig, prepare_worker
 prepare_worker(SandboxConfig(root_dir={str(tmp_path)!r}))
 async def main():
-    children = [await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.2; exit {{i}}") for i in range(3)]
-    threads = threading.active_count()
+    children = [await asyncio.create_subprocess_exec("sh", "-c", f"read go; exit {{i}}", stdin=asyncio.subprocess.PIPE)
+                for i in range(3)]
+    threads = threading.active_count()  # all three alive: each waits for its line
+    for child in children:
+        child.stdin.write(b"go\\n")
     print(threads, [await child.wait() for child in children])
 asyncio.run(main())
 """
