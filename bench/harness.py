@@ -39,7 +39,8 @@ SCRIPT_TOOL = {"default": [
     {"content": "done"},
 ]}
 SCRIPT_PLAIN = {"default": [{"content": "done"}]}
-# two calls and no sandbox: the run does not offer this tool, so the agent answers it with an error at once
+# two calls and no sandbox (with cli_argv's sandbox=False): the run does not offer this tool, so the agent
+# answers it with an error at once
 SCRIPT_NO_SANDBOX = {"default": [{"tool_calls": [{"name": "not_offered", "arguments": {}}]}, {"content": "done"}]}
 
 console = Console(highlight=False)
@@ -405,12 +406,15 @@ def dataset(n: int) -> Path:
 
 
 def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int, extra: tuple = (),
-             flags: tuple[str, ...] | None = None) -> list[str]:
-    """`flags`: the run's own flags, --cli-flags when None."""
+             flags: tuple[str, ...] | None = None, sandbox: bool = True) -> list[str]:
+    """`flags`: the run's own flags, --cli-flags when None. A prompt offered the terminal starts its
+    sandbox during its first call, whether it calls the tool or not: without `sandbox` the run offers
+    only the web toolset, which needs none."""
     return [
         sys.executable, "batch_runner.py", f"--dataset_file={data}", f"--run_name={run_name}",
         f"--output_dir={OUT / 'runs'}", f"--base_url={url}", "--api_key=dummy", "--model=bench",
-        "--require_reasoning=False", "--distribution=terminal_only", f"--num_workers={workers}",
+        "--require_reasoning=False", f"--distribution={'terminal_only' if sandbox else 'minimal'}",
+        f"--num_workers={workers}",
         f"--concurrency={concurrency}", *extra, *(CLI_FLAGS if flags is None else flags),
     ]
 

@@ -431,7 +431,8 @@ def write_markdown(results: dict, rows: list[Row]) -> None:
         "",
         "The CLI runs as `python batch_runner.py --dataset_file=... --run_name=... --output_dir=bench/out/runs "
         "--base_url=<scripted server> --api_key=dummy --model=bench --require_reasoning=False "
-        "--distribution=terminal_only --num_workers=W --concurrency=C` against "
+        "--distribution=terminal_only --num_workers=W --concurrency=C` (`--distribution=minimal` where a "
+        "row says no tools or no sandbox: a prompt offered the terminal starts its sandbox during its first call) against "
         "`python -m tests.support.scripted_server --script FILE --latency L` (both on 127.0.0.1).",
         "",
         "| section | configuration | measured (median) | target | pass/fail | details |",

@@ -39,8 +39,8 @@ REALISTIC_LATENCY, REALISTIC_COMMANDS = 1.0, 5  # issue 53's realistic workload
 def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int, tag: str,
                      flags: tuple[str, ...] | None = None, latency: float = LATENCY, commands: int = 1) -> dict:
     """`latency` s per call, `commands` + 1 replies: each of the first `commands` calls `terminal` (echo hi)
-    in the prompt's sandbox, or without tools one tool the run does not offer (answered at once, no
-    sandbox); the last ends. `flags`: as cli_argv's."""
+    in the prompt's sandbox, or without tools one tool the run does not offer (answered at once; no
+    toolset that needs a sandbox is offered); the last ends. `flags`: as cli_argv's."""
     data = dataset(n)
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     servers = {}
@@ -58,7 +58,7 @@ def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int,
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
                 _fresh(name)
                 say(f"{tag} {name}: ideal {ideal:.1f} s")
-                r = run_cli(cli_argv(data, name, servers[tools].url, workers, conc, flags=flags), name, n,
+                r = run_cli(cli_argv(data, name, servers[tools].url, workers, conc, flags=flags, sandbox=tools), name, n,
                             servers[tools], timeout=max(300.0, 10 * ideal), sample_rss=False, prompt_walls=True)
                 _drop(name, harness.KEEP_RUNS)
                 eff = ideal / r.duration_s if r.duration_s else None
@@ -73,8 +73,13 @@ def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int,
 
 
 def _configs(text: str) -> list[tuple[int, int, bool]]:
-    """WORKERSxCONCURRENCY,... -> (workers, concurrency, tools) with the terminal tool."""
-    return [(*(int(x) for x in c.split("x")), True) for c in text.split(",")]
+    """WORKERSxCONCURRENCY[-notools],... -> (workers, concurrency, tools): with the terminal tool
+    unless -notools."""
+    configs = []
+    for c in text.split(","):
+        workers, conc = (int(x) for x in c.removesuffix("-notools").split("x"))
+        configs.append((workers, conc, not c.endswith("-notools")))
+    return configs
 
 
 def section_throughput(args) -> dict:
@@ -111,13 +116,8 @@ def section_versus(args) -> dict:
 def section_diag(args) -> dict:
     """Where the throughput limit comes from: more workers for the same concurrency (fewer
     connections per httpx pool), and the same run without the sandbox (no tool call)."""
-    configs = []
-    for c in args.diag_configs.split(","):
-        tools = not c.endswith("-notools")
-        w, conc = (int(x) for x in c.removesuffix("-notools").split("x"))
-        configs.append((w, conc, tools))
     return {"n": args.n_throughput, "latency": LATENCY,
-            "configs": _throughput_runs(configs, args.n_throughput, args.repeats, "diag")}
+            "configs": _throughput_runs(_configs(args.diag_configs), args.n_throughput, args.repeats, "diag")}
 
 
 POOL_MICRO = r"""
@@ -301,8 +301,8 @@ def section_overhead(args) -> dict:
             for rep in range(args.repeats):
                 name = f"ov-{label}-n1-r{rep}"
                 _fresh(name)
-                r = run_cli(cli_argv(one, name, server.url, workers, conc), name, 1, server, timeout=120,
-                            sample_rss=False)
+                r = run_cli(cli_argv(one, name, server.url, workers, conc, sandbox=label == "terminal"), name, 1,
+                            server, timeout=120, sample_rss=False)
                 _drop(name, harness.KEEP_RUNS)
                 fixed.append(r.__dict__)
             runs = []
@@ -310,8 +310,8 @@ def section_overhead(args) -> dict:
                 name = f"ov-{label}-n{n}-r{rep}"
                 _fresh(name)
                 say(f"overhead {name}")
-                r = run_cli(cli_argv(data, name, server.url, workers, conc), name, n, server, timeout=1800,
-                            sample_rss=False, prompt_walls=True)
+                r = run_cli(cli_argv(data, name, server.url, workers, conc, sandbox=label == "terminal"), name, n,
+                            server, timeout=1800, sample_rss=False, prompt_walls=True)
                 _drop(name, harness.KEEP_RUNS)
                 say(f"  cpu {r.cpu_s:.2f} s = {1000 * r.cpu_s / n:.2f} ms/prompt, duration {r.duration_s} s, "
                     f"server cpu {r.server_cpu_s:.2f} s")
@@ -327,7 +327,7 @@ def section_scale(args) -> dict:
             data = dataset(n)
             name = f"scale-n{n}"
             _fresh(name)
-            argv = cli_argv(data, name, server.url, args.scale_workers, args.scale_concurrency)
+            argv = cli_argv(data, name, server.url, args.scale_workers, args.scale_concurrency, sandbox=False)
             say(f"scale {name}")
             r = run_cli(argv, name, n, server, timeout=args.scale_timeout)
             say(f"  duration {r.duration_s} s, parent peak {r.parent_rss_mb} MB, worker peak {r.worker_rss_mb} MB, "

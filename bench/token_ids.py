@@ -112,8 +112,8 @@ def whole_runs(servers: dict[str, TokenServer], n: int, repeats: int) -> None:
             for size, prompts in ((1, one), (n, data)):
                 name = f"token-ids-{list(ARMS).index(arm)}-n{size}-r{rep}"
                 _fresh(name)
-                runs[size] = run_cli(cli_argv(prompts, name, server.url, 2, 16, flags=flags), name, size, server,
-                                     timeout=1800, sample_rss=False)
+                argv = cli_argv(prompts, name, server.url, 2, 16, flags=flags, sandbox=False)
+                runs[size] = run_cli(argv, name, size, server, timeout=1800, sample_rss=False)
                 _drop(name, harness.KEEP_RUNS)
             per_call = 1000 * (runs[n].cpu_s - runs[1].cpu_s) / (n - 1)
             cpu[arm].append(per_call)
