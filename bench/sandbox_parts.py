@@ -8,8 +8,9 @@ cgroup, each made per sandbox or kept (slots.py), and the runner's own Python.
 Every variant runs `bash -c 'echo hi'` through the sandbox's real bwrap options (local.py), one at a
 time, in rounds that interleave the variants so each sees the same machine; a part's cost is the
 difference between two variants. CPU is this process's and its children's (getrusage) plus kernel
-threads' (namespaces and cgroups are torn down there): the machine's own figure counts everyone's
-jobs on a shared machine. `python` is the runner's side of a whole fresh sandbox (SANDBOX_MICRO in
+threads' (namespaces and cgroups are torn down there); the machine's own figure (/proc/stat) also
+counts the CPU no task is charged for (a few ms a sandbox on this VM), and everyone's jobs on a
+shared machine: it is the one to read on a quiet machine. `python` is the runner's side of a whole fresh sandbox (SANDBOX_MICRO in
 bench/sections.py, `fresh`, 1 in flight): its process alone, its cgroup and devpts work included.
 Needs root (uids, cgroups, devpts instances). Prints medians, ms of CPU per sandbox.
 """
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import CHILDREN, _kthreads_cpu
+from harness import CHILDREN, CLK_TCK, _cpu_jiffies, _kthreads_cpu
 from sections import SANDBOX_MICRO
 from trajgen.sandbox import SandboxConfig, cgroups, local, roots, shares, slots
 
@@ -33,10 +34,10 @@ COMMAND = ["bash", "-c", "echo hi"]
 MINIMAL = ["--dev-bind", "/", "/"]  # one recursive bind, nothing remounted: namespaces without the mounts
 
 
-def cpu() -> float:
-    """CPU seconds so far of this process, its reaped children and every kernel thread."""
+def cpu() -> tuple[float, float]:
+    """CPU seconds so far of this process, its reaped children and every kernel thread; and of the machine."""
     mine = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return sum(r.ru_utime + r.ru_stime for r in mine) + _kthreads_cpu()
+    return sum(r.ru_utime + r.ru_stime for r in mine) + _kthreads_cpu(), _cpu_jiffies()[0] / CLK_TCK
 
 
 class Variant:
@@ -85,11 +86,13 @@ class Variant:
             roots.remove_work_dir(pts)
 
 
-def python_side(tree: Path, sandboxes: int) -> float:
-    """The runner process's own CPU per fresh sandbox (SANDBOX_MICRO's `self_cpu_s`), run from `tree`."""
+def python_side(tree: Path, sandboxes: int) -> tuple[float, float]:
+    """The runner process's own CPU per fresh sandbox (SANDBOX_MICRO's `self_cpu_s`), run from `tree`,
+    and the machine's for the whole of it (`machine_cpu_s`: the issue's first command)."""
     out = subprocess.run([sys.executable, "-c", SANDBOX_MICRO, "fresh", "1", str(sandboxes)], cwd=tree,
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
-    return 1000 * json.loads(out.stdout)["self_cpu_s"] / sandboxes
+    figures = json.loads(out.stdout)
+    return 1000 * figures["self_cpu_s"] / sandboxes, 1000 * figures["machine_cpu_s"] / sandboxes
 
 
 def main() -> None:
@@ -118,24 +121,33 @@ def main() -> None:
         "+ devpts and cgroup, kept (after)": make(pts="kept", group="kept"),
     }
     figures: dict[str, list[float]] = {name: [] for name in variants}
+    machine: dict[str, list[float]] = {name: [] for name in variants}
     trees = {"python, before": args.before, "python, after": ROOT} if args.before else {"python": ROOT}
     figures.update({name: [] for name in trees})
+    machine.update({name: [] for name in trees})
     try:
         for _ in range(args.rounds):
             for name, variant in variants.items():
                 start = cpu()
                 for _ in range(args.sandboxes):
                     variant.once()
-                figures[name].append(1000 * (cpu() - start) / args.sandboxes)
+                end = cpu()
+                figures[name].append(1000 * (end[0] - start[0]) / args.sandboxes)
+                machine[name].append(1000 * (end[1] - start[1]) / args.sandboxes)
             for name, tree in trees.items():
-                figures[name].append(python_side(tree, args.sandboxes))
+                ours, whole = python_side(tree, args.sandboxes)
+                figures[name].append(ours)
+                machine[name].append(whole)
     finally:
         slots.drop(config)
         cgroups.remove(label="bench-parts")
         roots.remove_root(root)
         roots.release_root(root)
+    print(f"{'ms of CPU a sandbox, median (range)':45s} {'ours and kernel threads':>24s} {'machine':>20s}")
+    print("(the python rows: the runner's own process; the machine's, for the whole fresh sandbox it opened)")
     for name, values in figures.items():
-        print(f"{name:45s} {statistics.median(values):6.2f} ms  ({min(values):.2f}-{max(values):.2f})")
+        whole = f"{statistics.median(machine[name]):6.2f} ({min(machine[name]):.2f}-{max(machine[name]):.2f})"
+        print(f"{name:45s} {statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f}) {whole:>20s}")
     print(f"load average {os.getloadavg()[0]:.1f}; PTY share {shares.ptys(config.slots)}")
 
 
