@@ -414,8 +414,7 @@ def cli_argv(data: Path, run_name: str, url: str, workers: int, concurrency: int
         sys.executable, "batch_runner.py", f"--dataset_file={data}", f"--run_name={run_name}",
         f"--output_dir={OUT / 'runs'}", f"--base_url={url}", "--api_key=dummy", "--model=bench",
         "--require_reasoning=False", f"--distribution={'terminal_only' if sandbox else 'minimal'}",
-        f"--num_workers={workers}",
-        f"--concurrency={concurrency}", *extra, *(CLI_FLAGS if flags is None else flags),
+        f"--num_workers={workers}", f"--concurrency={concurrency}", *extra, *(CLI_FLAGS if flags is None else flags),
     ]
 
 

@@ -10,9 +10,10 @@ time, in rounds that interleave the variants so each sees the same machine; a pa
 difference between two variants. CPU is this process's and its children's (getrusage) plus kernel
 threads' (namespaces and cgroups are torn down there); the machine's own figure (/proc/stat) also
 counts the CPU no task is charged for (a few ms a sandbox on this VM), and everyone's jobs on a
-shared machine: it is the one to read on a quiet machine. `python` is the runner's side of a whole fresh sandbox (SANDBOX_MICRO in
-bench/sections.py, `fresh`, 1 in flight): its process alone, its cgroup and devpts work included.
-Needs root (uids, cgroups, devpts instances). Prints medians, ms of CPU per sandbox.
+shared machine: it is the one to read on a quiet machine. `python` is the runner's side of a whole
+fresh sandbox (SANDBOX_MICRO in bench/sections.py, `fresh`, 1 in flight): its process alone, its
+cgroup and devpts work included; its machine figure is the whole sandbox's. Needs root (uids,
+cgroups, devpts instances). Prints medians, ms of CPU per sandbox.
 """
 from __future__ import annotations
 

@@ -58,8 +58,9 @@ def _throughput_runs(configs: list[tuple[int, int, bool]], n: int, repeats: int,
                 name = f"{tag}-w{workers}-c{conc}{'' if tools else '-notools'}-n{n}-r{rep}"
                 _fresh(name)
                 say(f"{tag} {name}: ideal {ideal:.1f} s")
-                r = run_cli(cli_argv(data, name, servers[tools].url, workers, conc, flags=flags, sandbox=tools), name, n,
-                            servers[tools], timeout=max(300.0, 10 * ideal), sample_rss=False, prompt_walls=True)
+                argv = cli_argv(data, name, servers[tools].url, workers, conc, flags=flags, sandbox=tools)
+                r = run_cli(argv, name, n, servers[tools], timeout=max(300.0, 10 * ideal), sample_rss=False,
+                            prompt_walls=True)
                 _drop(name, harness.KEEP_RUNS)
                 eff = ideal / r.duration_s if r.duration_s else None
                 say(f"  duration {r.duration_s} s, wall {r.wall_s:.2f} s, efficiency {eff and round(eff, 3)}, "
