@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What each part of a fresh local sandbox costs in CPU: bubblewrap's namespaces, the network
 namespace, the mounts, the seccomp filter, the loop's uid (setpriv), the devpts instance and the
-cgroup, each made per sandbox or kept (slots.py), and the runner's own Python.
+cgroup, each made per sandbox or kept (slots.py), the /dev (bubblewrap's --dev, or the one a worker
+makes once: local.process_dev), and the runner's own Python.
 
     sudo python bench/sandbox_parts.py --sandboxes=200 --rounds=5
 
@@ -45,10 +46,12 @@ class Variant:
     """One way of running the command: which of the sandbox's parts it has."""
 
     def __init__(self, config: SandboxConfig, host_dir: str, uid: int, *, bwrap: bool = True, net: bool = True,
-                 mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = ""):
+                 mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = "",
+                 bwrap_dev: bool = False):
         self.config, self.host_dir, self.uid = config, host_dir, uid
         self.bwrap, self.net, self.mounts, self.seccomp, self.setpriv = bwrap, net, mounts, seccomp, setpriv
         self.pts, self.group = pts, group  # "", "new" (made and removed per sandbox) or "kept" (slots.py)
+        self.bwrap_dev = bwrap_dev  # with a devpts instance: over bubblewrap's --dev, not the worker's /dev
 
     def once(self) -> None:
         if not self.bwrap:
@@ -59,10 +62,14 @@ class Variant:
                roots.new_devpts(self.config.root_dir, "bench", 48) if self.pts else None)
         group = (slot.group if self.group == "kept" else
                  cgroups.create("", "bench-parts", "g", 1 << 32, 512) if self.group else None)
-        argv, fds = local.bwrap_argv(self.host_dir, "/workspace", not self.net, 1024, self.uid, COMMAND, pts)
+        devices = local.Devices(local.process_dev(self.config.root_dir), pts) if pts else None
+        argv, fds = local.bwrap_argv(self.host_dir, "/workspace", not self.net, 1024, self.uid, COMMAND, devices)
         options = Path(f"/proc/self/fd/{fds[1]}").read_bytes().split(b"\0")[:-1]
         os.close(fds.pop())
         options = [o.decode() for o in options]
+        if devices and self.bwrap_dev:
+            at = options.index(devices.dev)
+            options[at - 1:at + 2] = ["--dev", "/dev"]
         if not self.seccomp:
             at = options.index("--seccomp")
             del options[at:at + 2]
@@ -114,12 +121,13 @@ def main() -> None:
         "+ mounts": make(seccomp=False, setpriv=False),
         "+ seccomp": make(setpriv=False),
         "+ the loop's uid (setpriv)": make(),
-        "+ devpts, new per sandbox": make(pts="new"),
-        "+ devpts, kept": make(pts="kept"),
+        "+ devpts, new per sandbox": make(pts="new", bwrap_dev=True),
+        "+ devpts, kept": make(pts="kept", bwrap_dev=True),
         "+ cgroup, new per sandbox": make(group="new"),
         "+ cgroup, kept": make(group="kept"),
-        "+ devpts and cgroup, new (before)": make(pts="new", group="new"),
-        "+ devpts and cgroup, kept (after)": make(pts="kept", group="kept"),
+        "+ devpts and cgroup, new": make(pts="new", group="new", bwrap_dev=True),
+        "+ devpts and cgroup, kept": make(pts="kept", group="kept", bwrap_dev=True),
+        "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept"),
     }
     figures: dict[str, list[float]] = {name: [] for name in variants}
     machine: dict[str, list[float]] = {name: [] for name in variants}

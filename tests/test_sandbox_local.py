@@ -15,7 +15,7 @@ import pytest
 
 from trajgen.sandbox import SandboxError, cgroups, read_file, shares, supervisor
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox, prepare_host
-from trajgen.sandbox.local import LocalSandbox
+from trajgen.sandbox.local import LocalSandbox, bwrap_system_binds
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
 from tests.conftest import arun, call, read_jsonl, think, tool_outputs, write_jsonl
@@ -69,6 +69,21 @@ def test_command_cannot_write_outside_its_work_dir(config):
     for place in ("/tmp", "/usr", "/etc", config.root_dir):
         assert not os.path.exists(f"{place}/{marker}")
 
+
+
+DEV_LISTING = "stat -c '%n %F %a %u %g %t:%T %N' /dev/* /dev/pts/* /dev/shm; ls -A /dev/shm"
+
+
+def test_the_sandbox_dev_is_bubblewraps_own_made_once_and_read_only(config):
+    """As root a worker makes one /dev for all its sandboxes (fewer mounts for bubblewrap to make and
+    read): it must show what bubblewrap's --dev does, nothing more, and no sandbox may change it."""
+    bwraps = subprocess.run(["bwrap", *bwrap_system_binds(), "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
+                             "--", "bash", "-c", DEV_LISTING], capture_output=True, text=True, check=True).stdout
+    first, second = open_sandbox(config, "p1", None, None), open_sandbox(config, "p2", None, None)
+    assert run(first, DEV_LISTING).output == bwraps
+    result = run(second, "touch /dev/x /dev/shm/x; echo touch=$?; echo x > /dev/null && head -c 3 /dev/zero | wc -c")
+    assert result.output.splitlines()[-2:] == ["touch=1", "3"], result
+    assert not os.path.exists(f"{config.root_dir}/{os.getpid()}.dev/x")
 
 def test_prompts_cannot_see_each_others_files(config):
     first = open_sandbox(config, "first", None, None)

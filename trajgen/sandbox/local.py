@@ -5,7 +5,8 @@ private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespac
 environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
 filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
 memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs
-(the three kept for the worker's next sandbox once its processes are gone: slots.py),
+(the three kept for the worker's next sandbox once its processes are gone: slots.py) on a
+read-only /dev its worker made once (process_dev),
 and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
 commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
 work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares, slots
@@ -61,6 +63,27 @@ def prlimit_argv(config: SandboxConfig) -> list[str]:
     return ["prlimit", f"--cpu={config.cpu_seconds}", f"--data={config.memory_mb << 20}",
             f"--nproc={config.max_processes}", f"--fsize={config.file_size_mb << 20}",
             f"--nofile={shares.open_files(config.slots, config.max_processes)}", "--"]
+
+
+@dataclass(frozen=True)
+class Devices:
+    """A root runner's sandbox /dev: a read-only one its process made (process_dev), with the sandbox's
+    own devpts instance (slots.Slot.pts) on its /dev/pts."""
+    dev: str
+    pts: str
+
+
+_MAKING_DEV = threading.Lock()  # sandboxes open in threads: one makes the /dev, the others wait for it
+
+
+def process_dev(root: str) -> str:
+    """The /dev this process's sandboxes under `root` are shown (roots.new_dev), made at the first; a
+    worker's own mount table (backends.prepare_worker) keeps it out of the other workers'."""
+    path = os.path.join(root, f"{os.getpid()}.dev")  # never a sandbox key (dataset.py: hex-n)
+    with _MAKING_DEV:
+        if not os.path.ismount(path):
+            roots.new_dev(path)
+    return path
 
 
 @functools.cache
@@ -102,10 +125,10 @@ def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
 
 
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
-                  pts: str | None = None, loop: bool = True, env: dict[str, str] | None = None,
+                  devices: Devices | None = None, loop: bool = True, env: dict[str, str] | None = None,
                   shown: Visible | None = None) -> tuple[list[str], list[str]]:
-    """(bubblewrap's options, the command prefix that drops to `uid`); `pts`: a devpts instance of
-    the sandbox's own (roots.new_devpts) over bwrap's, whose PTYs count against the machine's;
+    """(bubblewrap's options, the command prefix that drops to `uid`); `devices`: the sandbox's /dev
+    and PTY instance, instead of bwrap's;
     `env`: the command's whole environment instead of bwrap's own; `shown`: what an MCP server's
     config names, after the sandbox's /tmp (which would hide what is under /tmp), and its cwd."""
     identity, as_uid = _identity(uid, loop)
@@ -113,7 +136,8 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
     options = [
         *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
         *(shown.bwrap_args() if shown else []),
-        "--dev", "/dev", *(["--dev-bind", pts, "/dev/pts"] if pts else []), "--proc", "/proc",
+        *(["--dev-bind", devices.dev, "/dev", "--dev-bind", devices.pts, "/dev/pts"] if devices else ["--dev", "/dev"]),
+        "--proc", "/proc",
         "--bind", host_dir, cwd, "--chdir", shown.cwd if shown and shown.cwd else cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
@@ -123,11 +147,11 @@ def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int,
 
 
 def bwrap_argv(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, command: list[str],
-               pts: str | None = None, loop: bool = True, env: dict[str, str] | None = None,
+               devices: Devices | None = None, loop: bool = True, env: dict[str, str] | None = None,
                shown: Visible | None = None) -> tuple[list[str], list[int]]:
     """The bwrap command line running `command` (bwrap's options in a memfd: `--args FD`) and the fds it must inherit."""
     seccomp_fd = seccomp.memfd(seccomp.program(network), "trajgen-seccomp")
-    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, pts, loop, env, shown)
+    options, as_uid = bwrap_options(host_dir, cwd, network, tmp_mb, uid, seccomp_fd, devices, loop, env, shown)
     args_fd = seccomp.memfd(b"".join(o.encode() + b"\0" for o in options), "trajgen-bwrap-args")
     return ["bwrap", "--args", str(args_fd), "--", *as_uid, *command], [seccomp_fd, args_fd]
 
@@ -173,14 +197,15 @@ class LocalSandbox:
     """A prompt's host work dir, shown to commands at `cwd`; isolated by bwrap unless allowed not to be."""
 
     def __init__(self, config: SandboxConfig, host_dir: str, cwd: str, isolated: bool,
-                 slot: slots.Slot | None = None) -> None:
+                 slot: slots.Slot | None = None, devices: Devices | None = None) -> None:
         self.config = config
         self.host_dir = host_dir
         self.cwd = cwd
         self.isolated = isolated
         self.uid = slot.uid if slot else NOBODY
         self._slot = slot
-        self._group, self._pts = (slot.group, slot.pts) if slot else (None, None)
+        self._group = slot.group if slot else None
+        self._devices = devices
         self.files = WorkDir(host_dir, cwd, self.uid if slot else None)
 
         self._supervisor = Supervisor(self._start) if isolated else None
@@ -189,7 +214,7 @@ class LocalSandbox:
         """The shell that joins the cgroup, then bwrap running the command loop with the limits for each command."""
         loop = [*LOOP_ARGV, *ulimit_args(self.config)]
         argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop,
-                               self._pts)
+                               self._devices)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir)
@@ -219,7 +244,7 @@ class LocalSandbox:
         if not self.isolated:
             return [*prlimit_argv(self.config), *command], []
         argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
-                               [*prlimit_argv(self.config), *command], self._pts, loop=False, env=env, shown=shown)
+                               [*prlimit_argv(self.config), *command], self._devices, loop=False, env=env, shown=shown)
         if self._group:
             argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
         return argv, fds
@@ -285,13 +310,14 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
     slot = None
     try:  # a kept work dir must outlive the run as a plain directory
         slot = slots.take(config) if isolated and os.geteuid() == 0 else None
+        devices = Devices(process_dev(config.root_dir), slot.pts) if slot else None
         host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, slot.uid if slot else None,
                                       sized=isolated and not config.keep)
     except (OSError, ValueError) as e:
         if slot:
             slots.free(slot)
         raise SandboxError(f"cannot prepare the sandbox of {key}: {getattr(e, 'strerror', None) or e}") from e
-    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, slot)
+    return LocalSandbox(config, host_dir, point if isolated else host_dir, isolated, slot, devices)
 
 
 def limit_notices() -> list[str]:

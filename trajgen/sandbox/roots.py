@@ -31,7 +31,7 @@ UID_COUNT = 65_536
 UID_LOCKS = Path("/run/trajgen-uids")
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 1 << 14, 1 << 18
 CLONE_NEWNS = 0x00020000
 _held: dict[str, int] = {}  # root dir -> the fd of its lock, held until the process ends
 
@@ -200,6 +200,35 @@ def new_devpts(root: str, key: str, max_ptys: int) -> str:
     os.mkdir(path, 0o755)
     _mount(b"devpts", path, b"devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=0620,max={max_ptys}")
     return path
+
+
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")  # what bubblewrap's --dev binds from the host's
+DEV_LINKS = {"stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2",
+             "fd": "/proc/self/fd", "core": "/proc/kcore", "ptmx": "pts/ptmx"}
+
+
+def new_dev(path: str) -> None:
+    """Mount at `path` a read-only /dev holding what bubblewrap's --dev makes (root only): the same
+    nodes (the host's modes, owners and numbers), links and empty root-owned shm and pts dirs. Made
+    once, bound whole into each sandbox: --dev binds its six nodes one by one, and bubblewrap reads
+    the whole mount table at each bind (bench/RESULTS.md)."""
+    os.makedirs(path, 0o700, exist_ok=True)
+    _mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+    try:
+        for name in DEV_NODES:
+            host, node = os.stat(f"/dev/{name}"), os.path.join(path, name)
+            os.mknod(node, host.st_mode, host.st_rdev)
+            os.chown(node, host.st_uid, host.st_gid)
+            os.chmod(node, stat.S_IMODE(host.st_mode))  # mknod's mode is the umask's to cut
+        for name, target in DEV_LINKS.items():
+            os.symlink(target, os.path.join(path, name))
+        for name in ("shm", "pts"):
+            os.mkdir(os.path.join(path, name))
+            os.chmod(os.path.join(path, name), 0o755)
+        _mount(b"none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC, "")
+    except OSError:
+        _unmount(path)  # not left half made for the next sandbox to take
+        raise
 
 
 def loop_uid(uid: int) -> int:
