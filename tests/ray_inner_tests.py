@@ -157,8 +157,8 @@ def test_executor_killed_actor_prompts_come_back_failed_and_the_actor_restarts(s
         for i in range(8):
             pool.submit(_task(i, f"prompt {i}"))
         # every prompt is inside its gated command, so none can finish before the kill
-        work_dirs = lambda: [p for p in sandboxes.iterdir() if p.suffix != ".pts"] if sandboxes.exists() else []  # noqa: E731
-        early = _drain(pool, until=lambda: len(work_dirs()) >= 8)  # a sandbox's PTY instance sits beside its work dir
+        work_dirs = lambda: [p for p in sandboxes.iterdir() if p.suffix not in (".pts", ".dev")] if sandboxes.exists() else []  # noqa: E731
+        early = _drain(pool, until=lambda: len(work_dirs()) >= 8)  # beside the work dirs: PTY instances, workers' /dev
         victim = actor_pids()[0]
         os.kill(victim, signal.SIGKILL)
         crashed = _outcomes(early + _drain(pool, until=lambda: pool.inflight <= 4))
