@@ -47,11 +47,11 @@ class Variant:
 
     def __init__(self, config: SandboxConfig, host_dir: str, uid: int, *, bwrap: bool = True, net: bool = True,
                  mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = "",
-                 bwrap_dev: bool = False):
+                 bwrap_dev: bool = True):
         self.config, self.host_dir, self.uid = config, host_dir, uid
         self.bwrap, self.net, self.mounts, self.seccomp, self.setpriv = bwrap, net, mounts, seccomp, setpriv
         self.pts, self.group = pts, group  # "", "new" (made and removed per sandbox) or "kept" (slots.py)
-        self.bwrap_dev = bwrap_dev  # with a devpts instance: over bubblewrap's --dev, not the worker's /dev
+        self.bwrap_dev = bwrap_dev  # bubblewrap's --dev, not the worker's /dev (local.process_dev)
 
     def once(self) -> None:
         if not self.bwrap:
@@ -70,6 +70,9 @@ class Variant:
         if devices and self.bwrap_dev:
             at = options.index(devices.dev)
             options[at - 1:at + 2] = ["--dev", "/dev"]
+        elif not devices and not self.bwrap_dev:
+            at = options.index("--dev")
+            options[at:at + 2] = ["--dev-bind", local.process_dev(self.config.root_dir), "/dev"]
         if not self.seccomp:
             at = options.index("--seccomp")
             del options[at:at + 2]
@@ -120,14 +123,15 @@ def main() -> None:
         "+ network namespace": make(mounts=False, seccomp=False, setpriv=False),
         "+ mounts": make(seccomp=False, setpriv=False),
         "+ seccomp": make(setpriv=False),
+        "+ seccomp, the worker's /dev": make(setpriv=False, bwrap_dev=False),
         "+ the loop's uid (setpriv)": make(),
-        "+ devpts, new per sandbox": make(pts="new", bwrap_dev=True),
-        "+ devpts, kept": make(pts="kept", bwrap_dev=True),
+        "+ devpts, new per sandbox": make(pts="new"),
+        "+ devpts, kept": make(pts="kept"),
         "+ cgroup, new per sandbox": make(group="new"),
         "+ cgroup, kept": make(group="kept"),
-        "+ devpts and cgroup, new": make(pts="new", group="new", bwrap_dev=True),
-        "+ devpts and cgroup, kept": make(pts="kept", group="kept", bwrap_dev=True),
-        "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept"),
+        "+ devpts and cgroup, new": make(pts="new", group="new"),
+        "+ devpts and cgroup, kept": make(pts="kept", group="kept"),
+        "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept", bwrap_dev=False),
     }
     figures: dict[str, list[float]] = {name: [] for name in variants}
     machine: dict[str, list[float]] = {name: [] for name in variants}
