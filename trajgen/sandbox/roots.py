@@ -166,8 +166,7 @@ def mount_tmpfs(path: str, size_mb: int, owner: int) -> bool:
 def own_mount_table() -> None:
     """Give this process (single-threaded still) a private copy of the mount table, so the work dirs
     and PTY instances its sandboxes mount stay out of every other process's table: bubblewrap reads
-    the whole table at each bind, 3 ms more CPU a sandbox per 100 mounts (bench/RESULTS.md). OSError
-    if it cannot."""
+    the whole table at most of its binds (9 a sandbox here: bench/RESULTS.md). OSError if it cannot."""
     if _libc().unshare(CLONE_NEWNS) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"cannot make a mount namespace: {os.strerror(error)}")
