@@ -233,7 +233,7 @@ def test_the_guard_keeps_a_page_from_the_internal_network(local_site):
         await page.goto("about:blank")
         since = len(guard.refused)
         await page.set_content(PAGE.format(site=local_site.url, port=port))
-        await _refusals_in(guard, since)  # else they land during the snapshot, which then fails
+        await _refusals_in(guard, since)  # the page's own, before the hop's
         await page.route("http://127.0.0.1:1/hop", lambda route: route.fulfill(
             status=302, headers={"Location": f"http://localhost:{port}/form"}))
         snapshot = await browser_snapshot(ctx)
