@@ -70,7 +70,6 @@ def test_command_cannot_write_outside_its_work_dir(config):
         assert not os.path.exists(f"{place}/{marker}")
 
 
-
 DEV_LISTING = "stat -c '%n %F %a %u %g %t:%T %N' /dev/* /dev/pts/* /dev/shm; ls -A /dev/shm"
 
 
@@ -86,6 +85,7 @@ def test_the_sandbox_dev_is_bubblewraps_own_made_once_and_read_only(config):
     assert not os.path.exists(f"{config.root_dir}/{os.getpid()}.dev/x")
     if os.geteuid() == 0:  # one /dev for both sandboxes of this process
         assert [p.name for p in Path(config.root_dir).glob("*.dev")] == [f"{os.getpid()}.dev"]
+
 
 def test_prompts_cannot_see_each_others_files(config):
     first = open_sandbox(config, "first", None, None)
