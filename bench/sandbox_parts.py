@@ -30,6 +30,7 @@ from pathlib import Path
 from harness import CHILDREN, CLK_TCK, _cpu_jiffies, _kthreads_cpu
 from sections import SANDBOX_MICRO
 from trajgen.sandbox import SandboxConfig, cgroups, local, roots, shares, slots
+from trajgen.sandbox.gate import gated
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ["bash", "-c", "echo hi"]
@@ -80,14 +81,17 @@ class Variant:
         if not self.mounts:
             start, end = 0, options.index("--unshare-ipc")
             options[start:end] = [*MINIMAL, "--chdir", "/"]
-        argv = ["bwrap", *options, "--", *(argv[4:] if self.setpriv else COMMAND)]
-        if group:
-            argv = ["sh", "-c", local.ENTER_CGROUP, "sh", *group.procs_files, "--", *argv]
+        argv, fds, through = gated(["bwrap", *options, "--", *(argv[4:] if self.setpriv else COMMAND)], fds, group)
         try:
-            subprocess.run(argv, pass_fds=fds, stdout=subprocess.DEVNULL, check=True)
+            process = subprocess.Popen(argv, pass_fds=fds, stdout=subprocess.DEVNULL)
         finally:
             for fd in fds:
                 os.close(fd)
+        if through:  # as gate.start does
+            through.admit(process.pid)
+            os.close(through.fd)
+        if process.wait():
+            raise subprocess.CalledProcessError(process.returncode, argv)
         CHILDREN.reap_adopted()  # bwrap's init, left to exit alone when bwrap ends by itself (supervisor.py)
         if slot:
             slots.give_back(slot, self.config)

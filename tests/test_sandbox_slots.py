@@ -48,10 +48,12 @@ def test_the_next_sandbox_gets_the_closed_ones_slot_with_nothing_of_it_left(conf
 
 def test_a_slot_is_kept_only_once_its_mcp_servers_are_killed(config):
     first = open_sandbox(config, "p1")
-    argv, fds = first.process_argv(["sleep", "600"], {"PATH": "/usr/bin:/bin"})
+    argv, fds, through = first.process_argv(["sleep", "600"], {"PATH": "/usr/bin:/bin"})
     server = subprocess.Popen(argv, pass_fds=fds)  # an MCP server's own bubblewrap, in the sandbox's group
     for fd in fds:
         os.close(fd)
+    through.admit(server.pid)  # as gate.start does
+    os.close(through.fd)
     deadline = time.monotonic() + 30
     while len(first._group.pids()) < 3 and time.monotonic() < deadline:  # bwrap, its init, sleep: up
         time.sleep(0.01)

@@ -76,6 +76,15 @@ class Group:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
+    def enter(self, pid: int) -> None:
+        """Move process `pid` into the group, in each hierarchy: what it starts from then on is born in it."""
+        for path in self.procs_files:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, b"%d" % pid)
+            finally:
+                os.close(fd)
+
     def oom_kills(self) -> int:
         """How many processes the kernel killed for going over the memory limit so far."""
         if self._oom_file is None:

@@ -4,9 +4,9 @@ Only system dirs are visible (read-only); the work dir is the one writable place
 private /tmp; the sandbox has its own PID, IPC, UTS, cgroup and network namespaces, a scrubbed
 environment, rlimits (open files: its share of the machine's table, shares.py) and a seccomp
 filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
-memory and process limits (cgroups.py), a devpts instance with its share of the machine's PTYs
-(the three kept for the worker's next sandbox once its processes are gone: slots.py) on a
-read-only /dev its worker made once (process_dev),
+memory and process limits (cgroups.py) that its bwrap is in before it starts anything (gate.py),
+a devpts instance with its share of the machine's PTYs (the three kept for the worker's next
+sandbox once its processes are gone: slots.py) on a read-only /dev its worker made once (process_dev),
 and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
 commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
 work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
@@ -32,6 +32,7 @@ from typing import AsyncIterator
 
 from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares, slots
 from trajgen.sandbox.binds import SYSTEM_DIRS, passable_parents, under
+from trajgen.sandbox.gate import Gate, gated
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
 from trajgen.sandbox.supervisor import LOOP_ARGV, LOST, Channel, Supervisor, process_channel
@@ -40,8 +41,6 @@ from trajgen.sandbox.visible import Visible
 NOBODY = 65534
 DEFAULT_CWD = "/workspace"
 NEW_PRIVILEGES_OFF = ["--no-new-privs", "--bounding-set=-all", "--inh-caps=-all", "--"]  # setpriv's last options
-# moves the shell into the sandbox's cgroup (one cgroup.procs per hierarchy), then becomes the sandbox
-ENTER_CGROUP = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
 
 def sandbox_env(home: str) -> dict[str, str]:
@@ -211,13 +210,11 @@ class LocalSandbox:
         self._supervisor = Supervisor(self._start) if isolated else None
 
     async def _start(self) -> Channel:
-        """The shell that joins the cgroup, then bwrap running the command loop with the limits for each command."""
+        """bwrap running the command loop with the limits for each command, in the sandbox's cgroup."""
         loop = [*LOOP_ARGV, *ulimit_args(self.config)]
-        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid, loop,
-                               self._devices)
-        if self._group:
-            argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
-        return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir)
+        argv, fds, gate = gated(*bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb,
+                                            self.uid, loop, self._devices), self._group)
+        return await process_channel(argv, fds, sandbox_env(self.cwd), self.host_dir, gate)
 
     async def start(self) -> None:
         if self._supervisor:
@@ -235,19 +232,18 @@ class LocalSandbox:
         return result
 
     def process_argv(self, command: list[str], env: dict[str, str],
-                     shown: Visible | None = None) -> tuple[list[str], list[int]]:
+                     shown: Visible | None = None) -> tuple[list[str], list[int], Gate | None]:
         """The argv that runs `command` as a long-lived process of this sandbox (same uid, seccomp
         filter, cgroup, network and limits as its commands, in its work dir or `shown.cwd`, with
-        `shown`'s paths visible read-only), and the fds it must inherit; unisolated (--unsafe_local),
-        a plain limited process. Started with `env` as its environment, `command` gets exactly `env`
-        (bwrap sets it from its options' memfd): no value is on a command line, which every local user may read."""
+        `shown`'s paths visible read-only), the fds it must inherit and the gate into the sandbox's
+        cgroup to start it through (gate.start); unisolated (--unsafe_local), a plain limited process.
+        Started with `env` as its environment, `command` gets exactly `env` (bwrap sets it from its
+        options' memfd): no value is on a command line, which every local user may read."""
         if not self.isolated:
-            return [*prlimit_argv(self.config), *command], []
-        argv, fds = bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
-                               [*prlimit_argv(self.config), *command], self._devices, loop=False, env=env, shown=shown)
-        if self._group:
-            argv = ["sh", "-c", ENTER_CGROUP, "sh", *self._group.procs_files, "--", *argv]
-        return argv, fds
+            return [*prlimit_argv(self.config), *command], [], None
+        return gated(*bwrap_argv(self.host_dir, self.cwd, self.config.network, self.config.disk_mb, self.uid,
+                                 [*prlimit_argv(self.config), *command], self._devices, loop=False, env=env,
+                                 shown=shown), self._group)
 
     def check_path(self, path: str) -> None:
         """SandboxError if `path` (relative to cwd, or absolute under it) leads out of the work dir."""

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 
-from trajgen.sandbox import Sandbox, SandboxError, apptainer, visible
+from trajgen.sandbox import Sandbox, SandboxError, apptainer, gate, visible
 from trajgen.sandbox.docker import DockerSandbox
 from trajgen.sandbox.docker_client import STDOUT, Exec
 from trajgen.sandbox.local import LocalSandbox, sandbox_env
@@ -57,7 +57,8 @@ class Launch:
     argv: list[str]
     env: dict[str, str]  # of the process started on the host: the only way a value reaches the command
     cwd: str | None
-    fds: tuple[int, ...] = ()  # memfds the started process inherits; ours close once it has started
+    fds: tuple[int, ...] = ()  # memfds (and a gate's pipe) the started process inherits; ours close once it has started
+    through: gate.Gate | None = None  # into the sandbox's cgroup
 
     def close(self) -> None:
         for fd in self.fds:
@@ -93,15 +94,17 @@ async def _launch(sandbox: Sandbox, command: list[str], env: dict[str, str], cwd
                                     (config.root_dir, config.run_dir))
     base = sandbox_env(sandbox.cwd)
     env = {**base, **dict(shown.env), "PATH": f"{posixpath.dirname(shown.argv[0])}:{base['PATH']}", **env}
-    argv, fds = sandbox.process_argv(list(shown.argv), env, shown)
-    return Launch(argv, env, shown.cwd if shown.cwd and not sandbox.isolated else sandbox.host_dir, tuple(fds))
+    argv, fds, through = sandbox.process_argv(list(shown.argv), env, shown)
+    return Launch(argv, env, shown.cwd if shown.cwd and not sandbox.isolated else sandbox.host_dir, tuple(fds),
+                  through)
 
 
 @asynccontextmanager
 async def _process(launch: Launch, stderr: Tail) -> AsyncIterator[Pipes]:
     try:
-        process = await anyio.open_process(launch.argv, env=launch.env, cwd=launch.cwd, start_new_session=True,
-                                           pass_fds=launch.fds)
+        process = await gate.start(lambda: anyio.open_process(launch.argv, env=launch.env, cwd=launch.cwd,
+                                                              start_new_session=True, pass_fds=launch.fds),
+                                   launch.through)
     except OSError as e:
         raise SandboxError(f"cannot start {launch.argv[0]}: {e.strerror or e}") from e
     finally:

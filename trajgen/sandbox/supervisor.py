@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
-from trajgen.sandbox import ExecResult, SandboxError
+from trajgen.sandbox import ExecResult, SandboxError, gate
 from trajgen.sandbox.process import Capture, kill_children, kill_group
 
 LOOP_ARGV = ["bash", "--noprofile", "--norc", "-c", Path(__file__).with_name("supervise.sh").read_text(), "supervise"]
@@ -47,8 +47,10 @@ class Channel:
     kill: Callable[[], Awaitable[None]]
 
 
-async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], cwd: str) -> Channel:
-    """Start the loop as a child process (in a session of its own) talking over its stdin and stdout.
+async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], cwd: str,
+                          through: gate.Gate | None = None) -> Channel:
+    """Start the loop as a child process (in a session of its own, `through` the gate into its
+    sandbox's cgroup if any) talking over its stdin and stdout.
 
     The fds are passed to it and closed here. Killing it kills the sandbox: a PID namespace ends
     with its first process, and the loop ends at the end of its input even if bwrap's init missed
@@ -58,10 +60,10 @@ async def process_channel(argv: list[str], fds: list[int], env: dict[str, str], 
     zombie, and a PID namespace kept, per sandbox.
     """
     try:
-        proc = await asyncio.create_subprocess_exec(
+        proc = await gate.start(lambda: asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=env, cwd=cwd, start_new_session=True, pass_fds=fds,
-        )
+        ), through)
     except OSError as e:
         raise SandboxError(f"cannot start {argv[0]}: {e.strerror}") from e
     finally:
