@@ -88,7 +88,7 @@ class Variant:
             for fd in fds:
                 os.close(fd)
         if through:  # as gate.start does
-            through.admit(process.pid)
+            through.group.enter(process.pid)
             os.close(through.fd)
         if process.wait():
             raise subprocess.CalledProcessError(process.returncode, argv)

@@ -2,14 +2,16 @@
 sandbox may run outside the group, and a gate never admitted must still leave bwrap fully isolated."""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError, cgroups
+from trajgen.sandbox import SandboxError, cgroups, gate
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox
 from tests.conftest import arun
 
@@ -29,17 +31,13 @@ def sandbox(tmp_path: Path):
     cleanup(config)
 
 
-def held(argv: list[str], fds: list[int]) -> subprocess.Popen:
-    """A gated bwrap, started and seen waiting at its gate (a read of the pipe, with no child yet)."""
-    process = subprocess.Popen(argv, pass_fds=fds, stdout=subprocess.PIPE, text=True)
-    for fd in fds:
-        os.close(fd)
+def waits_at_its_gate(pid: int) -> None:
+    """Once bwrap has come to read its gate's pipe: it has no child yet, nor can it make one until the pipe closes."""
     deadline = time.monotonic() + 30
-    while not Path(f"/proc/{process.pid}/wchan").read_text().endswith("pipe_read"):
+    while not Path(f"/proc/{pid}/wchan").read_text().endswith("pipe_read"):
         assert time.monotonic() < deadline, "bwrap never came to wait at its gate"
         time.sleep(0.01)
-    assert Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text() == ""
-    return process
+    assert Path(f"/proc/{pid}/task/{pid}/children").read_text() == ""
 
 
 def test_the_sandbox_and_its_bwrap_start_in_its_group(sandbox):
@@ -54,13 +52,56 @@ def test_the_sandbox_and_its_bwrap_start_in_its_group(sandbox):
 
 def test_a_bwrap_that_cannot_join_its_group_is_killed_before_it_starts_anything(sandbox):
     argv, fds, through = sandbox.process_argv(["touch", "started"], {"PATH": "/usr/bin:/bin"})
-    process = held(argv, fds)
     for d in sandbox._group.dirs:  # the group is gone (a cleanup racing the sandbox's start)
         d.rmdir()
+    started = []
+
+    async def spawn():
+        started.append(await asyncio.create_subprocess_exec(*argv, pass_fds=fds))
+        for fd in fds:
+            os.close(fd)
+        waits_at_its_gate(started[0].pid)
+        return started[0]
+
     with pytest.raises(SandboxError, match="cannot put the sandbox in its cgroup"):
-        through.admit(process.pid)
-    os.close(through.fd)
-    assert process.wait(timeout=30) == -9
+        arun(gate.start(spawn, through))
+    assert started[0].returncode == -9
+    assert not os.path.exists(os.path.join(sandbox.host_dir, "started"))
+
+
+def test_a_start_cancelled_while_bwrap_moves_kills_it_once_the_move_is_over(sandbox, monkeypatch):
+    """The move finishes before bwrap is killed: a pid moved after its process was reaped could be another's."""
+    argv, fds, through = sandbox.process_argv(["touch", "started"], {"PATH": "/usr/bin:/bin"})
+    moving, go_on, moved = threading.Event(), threading.Event(), []
+    enter = through.group.enter
+
+    def slow_enter(pid: int) -> None:
+        moving.set()
+        go_on.wait(30)
+        enter(pid)
+        moved.append(pid in through.group.pids())
+
+    monkeypatch.setattr(through.group, "enter", slow_enter)
+
+    async def cancelled_start():
+        started = []
+
+        async def spawn():
+            started.append(await asyncio.create_subprocess_exec(*argv, pass_fds=fds))
+            for fd in fds:
+                os.close(fd)
+            return started[0]
+
+        starting = asyncio.create_task(gate.start(spawn, through))
+        await asyncio.to_thread(moving.wait, 30)
+        starting.cancel()
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        return started[0]
+
+    process = arun(cancelled_start())
+    assert moved == [True] and process.returncode == -9
     assert not os.path.exists(os.path.join(sandbox.host_dir, "started"))
 
 
@@ -68,7 +109,10 @@ def test_a_gate_closed_without_admitting_leaves_bwrap_fully_isolated(sandbox):
     """The runner dies between starting bwrap and admitting it: bwrap goes on with every option."""
     argv, fds, through = sandbox.process_argv(["sh", "-c", "id -u; readlink /proc/self/ns/net"],
                                               {"PATH": "/usr/bin:/bin"})
-    process = held(argv, fds)
+    process = subprocess.Popen(argv, pass_fds=fds, stdout=subprocess.PIPE, text=True)
+    for fd in fds:
+        os.close(fd)
+    waits_at_its_gate(process.pid)
     os.close(through.fd)
     out, _ = process.communicate(timeout=30)
     uid, net = out.split()

@@ -52,7 +52,7 @@ def test_a_slot_is_kept_only_once_its_mcp_servers_are_killed(config):
     server = subprocess.Popen(argv, pass_fds=fds)  # an MCP server's own bubblewrap, in the sandbox's group
     for fd in fds:
         os.close(fd)
-    through.admit(server.pid)  # as gate.start does
+    through.group.enter(server.pid)  # as gate.start does
     os.close(through.fd)
     deadline = time.monotonic() + 30
     while len(first._group.pids()) < 3 and time.monotonic() < deadline:  # bwrap, its init, sleep: up
