@@ -35,6 +35,8 @@ from trajgen.sandbox.gate import gated
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ["bash", "-c", "echo hi"]
 MINIMAL = ["--dev-bind", "/", "/"]  # one recursive bind, nothing remounted: namespaces without the mounts
+# how a sandbox joined its cgroup before gate.py: a shell wrote its pid in each cgroup.procs, then became bwrap
+SH_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 126; shift; done; shift; exec "$@"'
 
 
 def cpu() -> tuple[float, float]:
@@ -48,11 +50,12 @@ class Variant:
 
     def __init__(self, config: SandboxConfig, host_dir: str, uid: int, *, bwrap: bool = True, net: bool = True,
                  mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = "",
-                 bwrap_dev: bool = True):
+                 bwrap_dev: bool = True, sh_join: bool = False):
         self.config, self.host_dir, self.uid = config, host_dir, uid
         self.bwrap, self.net, self.mounts, self.seccomp, self.setpriv = bwrap, net, mounts, seccomp, setpriv
         self.pts, self.group = pts, group  # "", "new" (made and removed per sandbox) or "kept" (slots.py)
         self.bwrap_dev = bwrap_dev  # bubblewrap's --dev, not the worker's /dev (local.process_dev)
+        self.sh_join = sh_join  # the cgroup joined by a shell (SH_JOIN), not through the gate
 
     def once(self) -> None:
         if not self.bwrap:
@@ -81,7 +84,11 @@ class Variant:
         if not self.mounts:
             start, end = 0, options.index("--unshare-ipc")
             options[start:end] = [*MINIMAL, "--chdir", "/"]
-        argv, fds, through = gated(["bwrap", *options, "--", *(argv[4:] if self.setpriv else COMMAND)], fds, group)
+        argv, through = ["bwrap", *options, "--", *(argv[4:] if self.setpriv else COMMAND)], None
+        if group and self.sh_join:
+            argv = ["sh", "-c", SH_JOIN, "sh", *group.procs_files, "--", *argv]
+        else:
+            argv, fds, through = gated(argv, fds, group)
         try:
             process = subprocess.Popen(argv, pass_fds=fds, stdout=subprocess.DEVNULL)
         finally:
@@ -136,6 +143,7 @@ def main() -> None:
         "+ devpts and cgroup, new": make(pts="new", group="new"),
         "+ devpts and cgroup, kept": make(pts="kept", group="kept"),
         "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept", bwrap_dev=False),
+        "  the same, the cgroup joined by sh (before)": make(pts="kept", group="kept", bwrap_dev=False, sh_join=True),
     }
     figures: dict[str, list[float]] = {name: [] for name in variants}
     machine: dict[str, list[float]] = {name: [] for name in variants}
