@@ -392,11 +392,12 @@ def test_no_proxy_cidr_ranges_are_honoured(scripted_server, monkeypatch):
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 64])
 def test_events_are_cut_only_at_their_end(step):
     from trajgen.stream import EventReader
-    text = 'data: {"a": "hé☃"}\r\n\r\n: OPENROUTER PROCESSING\r\n\r\ndata: {"b":\ndata: 1}\n\ndata: [DONE]\r\r'.encode()
+    text = ('data: {"a": "hé☃"}\r\n\r\n: OPENROUTER PROCESSING\r\n\r\ndata: {"b":\ndata: 1}\n\n'
+            'event: message\ndata: c\n\ndata:d\n\ndata:  e\n\ndata: [DONE]\r\r').encode()
     reader, found = EventReader(), []
     for i in range(0, len(text), step):
         found += reader.feed(text[i:i + step])
-    assert found == ['{"a": "hé☃"}'.encode(), b'{"b":\n1}', b"[DONE]"]
+    assert found == ['{"a": "hé☃"}'.encode(), b'{"b":\n1}', b"c", b"d", b" e", b"[DONE]"]
 
 
 def test_a_streamed_run_counts_stalls_and_latency_and_a_reply_over_the_cap_fails_its_prompt(inline, scripted_server):

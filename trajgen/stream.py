@@ -45,6 +45,9 @@ class EventReader:
         self._buffer += rest
         found = []
         for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:  # one data line, as providers send it
+                found.append(event[6:])
+                continue
             lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if lines:
                 found.append(b"\n".join(lines))
