@@ -69,6 +69,23 @@ def test_a_bwrap_that_cannot_join_its_group_is_killed_before_it_starts_anything(
     assert not os.path.exists(os.path.join(sandbox.host_dir, "started"))
 
 
+def test_a_bwrap_killed_from_outside_at_its_gate_fails_its_start_saying_why(sandbox):
+    argv, fds, through = sandbox.process_argv(["touch", "started"], {"PATH": "/usr/bin:/bin"})
+
+    async def spawn():
+        process = await asyncio.create_subprocess_exec(*argv, pass_fds=fds)
+        for fd in fds:
+            os.close(fd)
+        waits_at_its_gate(process.pid)
+        process.kill()  # the OOM killer, or a user's kill -9
+        await process.wait()
+        return process
+
+    with pytest.raises(SandboxError, match="cannot put the sandbox in its cgroup"):
+        arun(gate.start(spawn, through))
+    assert not os.path.exists(os.path.join(sandbox.host_dir, "started"))
+
+
 def test_a_start_cancelled_while_bwrap_moves_kills_it_once_the_move_is_over(sandbox, monkeypatch):
     """The move finishes before bwrap is killed: a pid moved after its process was reaped could be another's."""
     argv, fds, through = sandbox.process_argv(["touch", "started"], {"PATH": "/usr/bin:/bin"})

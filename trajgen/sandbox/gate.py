@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol, TypeVar
 
@@ -57,7 +58,8 @@ async def start(spawn: Callable[[], Awaitable[P]], gate: Gate | None) -> P:
             await asyncio.wrap_future(move)
         except BaseException as e:
             wait([move])  # a move under way ends first (a moment, on this rare path): the pid is still bwrap's
-            process.kill()
+            with suppress(ProcessLookupError):  # killed from outside meanwhile: the error above is still the one to say
+                process.kill()
             await process.wait()
             if isinstance(e, OSError):
                 raise SandboxError(f"cannot put the sandbox in its cgroup: {e.strerror or e}") from e
