@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What each part of a fresh local sandbox costs in CPU: bubblewrap's namespaces, the network
 namespace, the mounts, the seccomp filter, the loop's uid (setpriv), the devpts instance and the
-cgroup, each made per sandbox or kept (slots.py), the /dev (bubblewrap's --dev, or the one a worker
-makes once: local.process_dev), and the runner's own Python.
+cgroup, each made per sandbox or kept (slots.py), / and /dev (bubblewrap's binds and --dev, or what a
+worker makes once: local.process_view), and the runner's own Python.
 
     sudo python bench/sandbox_parts.py --sandboxes=200 --rounds=5
 
@@ -50,11 +50,11 @@ class Variant:
 
     def __init__(self, config: SandboxConfig, host_dir: str, uid: int, *, bwrap: bool = True, net: bool = True,
                  mounts: bool = True, seccomp: bool = True, setpriv: bool = True, pts: str = "", group: str = "",
-                 bwrap_dev: bool = True, sh_join: bool = False):
+                 view: str = "bwrap", sh_join: bool = False):
         self.config, self.host_dir, self.uid = config, host_dir, uid
         self.bwrap, self.net, self.mounts, self.seccomp, self.setpriv = bwrap, net, mounts, seccomp, setpriv
         self.pts, self.group = pts, group  # "", "new" (made and removed per sandbox) or "kept" (slots.py)
-        self.bwrap_dev = bwrap_dev  # bubblewrap's --dev, not the worker's /dev (local.process_dev)
+        self.view = view  # / and /dev: bubblewrap's binds and --dev, "dev" the worker's /dev, "whole" its / (VIEWS)
         self.sh_join = sh_join  # the cgroup joined by a shell (SH_JOIN), not through the gate
 
     def once(self) -> None:
@@ -66,17 +66,10 @@ class Variant:
                roots.new_devpts(self.config.root_dir, "bench", 48) if self.pts else None)
         group = (slot.group if self.group == "kept" else
                  cgroups.create("", "bench-parts", "g", 1 << 32, 512) if self.group else None)
-        devices = local.Devices(local.process_dev(self.config.root_dir), pts) if pts else None
-        argv, fds = local.bwrap_argv(self.host_dir, "/workspace", not self.net, 1024, self.uid, COMMAND, devices)
+        argv, fds = local.bwrap_argv(self.host_dir, "/workspace", not self.net, 1024, self.uid, COMMAND)
         options = Path(f"/proc/self/fd/{fds[1]}").read_bytes().split(b"\0")[:-1]
         os.close(fds.pop())
-        options = [o.decode() for o in options]
-        if devices and self.bwrap_dev:
-            at = options.index(devices.dev)
-            options[at - 1:at + 2] = ["--dev", "/dev"]
-        elif not devices and not self.bwrap_dev:
-            at = options.index("--dev")
-            options[at:at + 2] = ["--dev-bind", local.process_dev(self.config.root_dir), "/dev"]
+        options = shown_by(self.view, [o.decode() for o in options], local.process_view(self.config.root_dir), pts)
         if not self.seccomp:
             at = options.index("--seccomp")
             del options[at:at + 2]
@@ -108,6 +101,15 @@ class Variant:
             roots.remove_work_dir(pts)
 
 
+def shown_by(view: str, options: list[str], made: str, pts: str | None) -> list[str]:
+    """bubblewrap's options (local.bwrap_options, no devices) with / and /dev shown the `view` way, and
+    the sandbox's own PTY instance on /dev/pts if it has one."""
+    tmp, proc = options.index("--size"), options.index("--proc")  # the root's options come first, /dev's last
+    root = ["--dev-bind", made, "/"] if view == "whole" else options[:tmp]
+    dev = {"bwrap": ["--dev", "/dev"], "dev": ["--dev-bind", f"{made}/dev", "/dev"], "whole": []}[view]
+    return [*root, *options[tmp:tmp + 6], *dev, *(["--dev-bind", pts, "/dev/pts"] if pts else []), *options[proc:]]
+
+
 def python_side(tree: Path, sandboxes: int) -> tuple[float, float]:
     """The runner process's own CPU per fresh sandbox (SANDBOX_MICRO's `self_cpu_s`), run from `tree`,
     and the machine's for the whole of it (`machine_cpu_s`: the issue's first command)."""
@@ -134,7 +136,8 @@ def main() -> None:
         "+ network namespace": make(mounts=False, seccomp=False, setpriv=False),
         "+ mounts": make(seccomp=False, setpriv=False),
         "+ seccomp": make(setpriv=False),
-        "+ seccomp, the worker's /dev": make(setpriv=False, bwrap_dev=False),
+        "+ seccomp, the worker's /dev": make(setpriv=False, view="dev"),
+        "+ seccomp, the worker's / and /dev": make(setpriv=False, view="whole"),
         "+ the loop's uid (setpriv)": make(),
         "+ devpts, new per sandbox": make(pts="new"),
         "+ devpts, kept": make(pts="kept"),
@@ -142,8 +145,9 @@ def main() -> None:
         "+ cgroup, kept": make(group="kept"),
         "+ devpts and cgroup, new": make(pts="new", group="new"),
         "+ devpts and cgroup, kept": make(pts="kept", group="kept"),
-        "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept", bwrap_dev=False),
-        "  the same, the cgroup joined by sh (before)": make(pts="kept", group="kept", bwrap_dev=False, sh_join=True),
+        "+ devpts and cgroup, kept, the worker's /dev": make(pts="kept", group="kept", view="dev"),
+        "  the same, the cgroup joined by sh (before)": make(pts="kept", group="kept", view="dev", sh_join=True),
+        "+ devpts and cgroup, kept, the worker's /": make(pts="kept", group="kept", view="whole"),
     }
     figures: dict[str, list[float]] = {name: [] for name in variants}
     machine: dict[str, list[float]] = {name: [] for name in variants}

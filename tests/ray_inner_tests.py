@@ -157,7 +157,7 @@ def test_executor_killed_actor_prompts_come_back_failed_and_the_actor_restarts(s
         for i in range(8):
             pool.submit(_task(i, f"prompt {i}"))
         # every prompt is inside its gated command, so none can finish before the kill
-        work_dirs = lambda: [p for p in sandboxes.iterdir() if p.suffix not in (".pts", ".dev")] if sandboxes.exists() else []  # noqa: E731
+        work_dirs = lambda: [p for p in sandboxes.iterdir() if p.suffix not in (".pts", ".view")] if sandboxes.exists() else []  # noqa: E731
         early = _drain(pool, until=lambda: len(work_dirs()) >= 8)  # beside the work dirs: PTY instances, workers' /dev
         victim = actor_pids()[0]
         os.kill(victim, signal.SIGKILL)

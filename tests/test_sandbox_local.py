@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from trajgen.sandbox import SandboxError, cgroups, read_file, shares, supervisor
+from trajgen.sandbox import SandboxError, cgroups, read_file, roots, shares, supervisor
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox, prepare_host
+from trajgen.sandbox.binds import SystemView, parents_to_pass
 from trajgen.sandbox.local import LocalSandbox, bwrap_system_binds
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
@@ -82,9 +83,50 @@ def test_the_sandbox_dev_is_bubblewraps_own_made_once_and_read_only(config):
     assert run(first, DEV_LISTING).output == bwraps
     result = run(second, "touch /dev/x /dev/shm/x; echo touch=$?; echo x > /dev/null && head -c 3 /dev/zero | wc -c")
     assert result.output.splitlines()[-2:] == ["touch=1", "3"], result
-    assert not os.path.exists(f"{config.root_dir}/{os.getpid()}.dev/x")
+    assert not os.path.exists(f"{config.root_dir}/{os.getpid()}.view/dev/x")
     if os.geteuid() == 0:  # one /dev for both sandboxes of this process
-        assert [p.name for p in Path(config.root_dir).glob("*.dev")] == [f"{os.getpid()}.dev"]
+        assert [p.name for p in Path(config.root_dir).glob("*.view")] == [f"{os.getpid()}.view"]
+
+
+ROOT_LISTING = ("stat -c '%n %F %a %u %g %N' / /* | grep -v ^/workspace; "
+                "awk '{print $5, $6}' /proc/self/mountinfo | grep -E '^/(usr|etc|opt|root)'")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root runner's worker makes the sandboxes' / once")
+def test_the_sandbox_root_is_the_one_bubblewrap_makes_made_once_and_read_only(config):
+    """A worker makes one read-only / for its sandboxes (one bind for bubblewrap to make and read, not
+    one per system dir): it must show what bubblewrap's binds do, and no sandbox may change it, nor make
+    a mount point there that a later prompt's sandbox would see (a row's cwd elsewhere)."""
+    bwraps = subprocess.run(["bwrap", *bwrap_system_binds(), "--dev", "/dev", "--proc", "/proc", "--perms", "1777",
+                             "--tmpfs", "/tmp", "--unshare-pid", "--", "bash", "-c", ROOT_LISTING],
+                            capture_output=True, text=True, check=True).stdout
+    elsewhere = open_sandbox(config, "p1", None, "/srv/project")  # no mount point in the view: bound as bubblewrap's
+    assert run(elsewhere, "pwd").output == "/srv/project\n"
+    first, second = open_sandbox(config, "p2", None, None), open_sandbox(config, "p3", None, None)
+    assert run(first, ROOT_LISTING).output == bwraps
+    result = run(second, "touch /x /root/x; mkdir /y; echo made=$?; echo $(ls /)")
+    made, listing = result.output.splitlines()[-2:]
+    assert made == "made=1" and not {"x", "y", "srv"} & set(listing.split()), result
+    view = Path(config.root_dir) / f"{os.getpid()}.view"
+    assert sorted(p.name for p in view.iterdir()) == listing.split()
+    assert [p.name for p in Path(config.root_dir).glob("*.view")] == [view.name]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts")
+def test_the_root_shows_a_system_dirs_own_mounts_read_only_keeping_their_flags(tmp_path):
+    """In a container /etc/hosts is a mount of its own: the sandboxes' / must show it as bubblewrap's
+    --ro-bind would, read-only, and a flag it had (noexec) must not be lost."""
+    system = tmp_path / "system"
+    (system / "sub").mkdir(parents=True)
+    roots._mount(b"tmpfs", str(system / "sub"), b"tmpfs", roots.MS_NOEXEC, "size=64k")
+    (system / "sub" / "file").write_text("kept")
+    view = tmp_path / "view"
+    roots.new_view(str(view), SystemView((), (str(system),), tuple(parents_to_pass(str(system)))), ("/srv",))
+    shown = f"{view}{system}/sub"
+    table = {line.split()[4]: line.split()[5].split(",") for line in Path("/proc/self/mountinfo").read_text().splitlines()}
+    assert {"ro", "nosuid", "nodev", "noexec"} <= set(table[shown]) and "ro" in table[str(view)]
+    assert Path(shown, "file").read_text() == "kept"
+    assert sorted(p.name for p in view.iterdir()) == ["dev", "srv", tmp_path.parts[1]]
 
 
 def test_prompts_cannot_see_each_others_files(config):
@@ -570,6 +612,7 @@ def test_a_worker_waits_for_its_sandboxes_processes_without_a_thread_each(tmp_pa
     """Python 3.11's asyncio would start a thread per child process, one per sandbox started (prepare_worker)."""
     code = f"""
 import asyncio, threading
+from trajgen.sandbox.binds import SystemView, parents_to_pass
 from trajgen.sandbox.backends import SandboxConfig, prepare_worker
 prepare_worker(SandboxConfig(root_dir={str(tmp_path)!r}))
 async def main():

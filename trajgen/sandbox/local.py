@@ -6,8 +6,8 @@ environment, rlimits (open files: its share of the machine's table, shares.py) a
 filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid), a cgroup with
 memory and process limits (cgroups.py) that its bwrap is in before it starts anything (gate.py),
 a devpts instance with its share of the machine's PTYs (the three kept for the worker's next
-sandbox once its processes are gone: slots.py) on a read-only /dev its worker made once (process_dev),
-and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
+sandbox once its processes are gone: slots.py) on a read-only / and /dev its worker made once
+(process_view), and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
 commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
 work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
 command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from trajgen.sandbox import Backend, ExecResult, SandboxConfig, SandboxError, cgroups, roots, seccomp, shares, slots
-from trajgen.sandbox.binds import SYSTEM_DIRS, passable_parents, under
+from trajgen.sandbox.binds import SYSTEM_DIRS, system_view, under
 from trajgen.sandbox.gate import Gate, gated
 from trajgen.sandbox.hostfiles import WorkDir
 from trajgen.sandbox.process import run_process
@@ -66,39 +66,29 @@ def prlimit_argv(config: SandboxConfig) -> list[str]:
 
 @dataclass(frozen=True)
 class Devices:
-    """A root runner's sandbox /dev: a read-only one its process made (process_dev), with the sandbox's
-    own devpts instance (slots.Slot.pts) on its /dev/pts."""
-    dev: str
+    """A root runner's sandbox / and /dev: the read-only ones its process made (process_view), with the
+    sandbox's own devpts instance (slots.Slot.pts) on its /dev/pts."""
+    view: str
     pts: str
 
 
-_MAKING_DEV = threading.Lock()  # sandboxes open in threads: one makes the /dev, the others wait for it
+VIEW_POINTS = ("/tmp", "/proc", DEFAULT_CWD)  # what bubblewrap mounts on in the view (bwrap_options)
+_MAKING_VIEW = threading.Lock()  # sandboxes open in threads: one makes the view, the others wait for it
 
 
-def process_dev(root: str) -> str:
-    """The /dev this process's sandboxes under `root` are shown (roots.new_dev), made at the first; a
+def process_view(root: str) -> str:
+    """The / this process's sandboxes under `root` are shown (roots.new_view), made at the first; a
     worker's own mount table (backends.prepare_worker) keeps it out of the other workers'."""
-    path = os.path.join(root, f"{os.getpid()}.dev")  # never a sandbox key (dataset.py: hex-n)
-    with _MAKING_DEV:
+    path = os.path.join(os.path.realpath(root), f"{os.getpid()}.view")  # never a sandbox key (dataset.py: hex-n)
+    with _MAKING_VIEW:
         if not os.path.ismount(path):
-            roots.new_dev(path)
+            roots.new_view(path, system_view(), VIEW_POINTS)
     return path
 
 
-@functools.cache
-def bwrap_system_binds() -> tuple[str, ...]:
-    """Read-only system dirs (symlinks like /bin -> usr/bin recreated) and the running Python; found
-    once per process, as part of every sandbox's options."""
-    args: list[str] = []
-    for d in SYSTEM_DIRS:
-        if os.path.islink(d):
-            args += ["--symlink", os.readlink(d), d]
-        elif os.path.isdir(d):
-            args += ["--ro-bind", d, d]
-    prefix = sys.base_prefix  # on the commands' PATH (sandbox_env); an MCP server is shown its own (visible.py)
-    if not under(prefix, SYSTEM_DIRS):
-        args += [*passable_parents(prefix), "--ro-bind", prefix, prefix]
-    return tuple(args)
+def bwrap_system_binds() -> list[str]:
+    """bubblewrap's options showing the system dirs (binds.system_view) one by one."""
+    return system_view().bwrap_args()
 
 
 def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
@@ -126,17 +116,23 @@ def _identity(uid: int, loop: bool = True) -> tuple[list[str], list[str]]:
 def bwrap_options(host_dir: str, cwd: str, network: bool, tmp_mb: int, uid: int, seccomp_fd: int,
                   devices: Devices | None = None, loop: bool = True, env: dict[str, str] | None = None,
                   shown: Visible | None = None) -> tuple[list[str], list[str]]:
-    """(bubblewrap's options, the command prefix that drops to `uid`); `devices`: the sandbox's /dev
-    and PTY instance, instead of bwrap's;
+    """(bubblewrap's options, the command prefix that drops to `uid`); `devices`: the sandbox's / (whole,
+    with the work dir at its default place and no MCP config's paths to show; else its /dev) and PTY
+    instance, instead of bwrap's;
     `env`: the command's whole environment instead of bwrap's own; `shown`: what an MCP server's
     config names, after the sandbox's /tmp (which would hide what is under /tmp), and its cwd."""
     identity, as_uid = _identity(uid, loop)
     setenv = [] if env is None else ["--clearenv", *(a for k, v in env.items() for a in ("--setenv", k, v))]
+    if devices is None:
+        root, dev = bwrap_system_binds(), ["--dev", "/dev"]
+    elif shown is None and cwd in VIEW_POINTS:  # bwrap can make no other mount point in the view
+        root, dev = ["--dev-bind", devices.view, "/"], ["--dev-bind", devices.pts, "/dev/pts"]
+    else:
+        root = bwrap_system_binds()
+        dev = ["--dev-bind", f"{devices.view}/dev", "/dev", "--dev-bind", devices.pts, "/dev/pts"]
     options = [
-        *bwrap_system_binds(), "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
-        *(shown.bwrap_args() if shown else []),
-        *(["--dev-bind", devices.dev, "/dev", "--dev-bind", devices.pts, "/dev/pts"] if devices else ["--dev", "/dev"]),
-        "--proc", "/proc",
+        *root, "--size", str(tmp_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+        *(shown.bwrap_args() if shown else []), *dev, "--proc", "/proc",
         "--bind", host_dir, cwd, "--chdir", shown.cwd if shown and shown.cwd else cwd,
         "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]), *identity,
@@ -306,7 +302,7 @@ def open_local(config: SandboxConfig, key: str, image: str | None, cwd: str | No
     slot = None
     try:  # a kept work dir must outlive the run as a plain directory
         slot = slots.take(config) if isolated and os.geteuid() == 0 else None
-        devices = Devices(process_dev(config.root_dir), slot.pts) if slot else None
+        devices = Devices(process_view(config.root_dir), slot.pts) if slot else None
         host_dir = roots.new_work_dir(config.root_dir, key, config.disk_mb, slot.uid if slot else None,
                                       sized=isolated and not config.keep)
     except (OSError, ValueError) as e:

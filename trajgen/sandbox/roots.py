@@ -15,12 +15,14 @@ import ctypes
 import functools
 import itertools
 import os
+import re
 import shutil
 import stat
 import tempfile
 from pathlib import Path
 
 from trajgen import locks
+from trajgen.sandbox.binds import SystemView
 
 ROOT_PREFIX = "trajgen-sandboxes-"
 ROOT_BASE = "/run/trajgen"  # root's private base; /tmp is writable by every local user
@@ -228,6 +230,53 @@ def new_dev(path: str) -> None:
     except OSError:
         _unmount(path)  # not left half made for the next sandbox to take
         raise
+
+
+def new_view(path: str, view: SystemView, points: tuple[str, ...]) -> None:
+    """Mount at `path` the read-only / a root runner's sandboxes are shown: `view`'s dirs (their own
+    mounts too, as bubblewrap binds them), links and passable parents, a /dev (new_dev), and the empty
+    dirs `points` for bubblewrap to mount on: it can make no other. Made once, bound whole into each
+    sandbox (one bind, one read of the mount table, instead of one per dir: bench/RESULTS.md)."""
+    os.makedirs(path, 0o700, exist_ok=True)
+    _mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=0755")
+    try:
+        for link, target in view.links:
+            os.symlink(target, path + link)
+        for parent in view.parents:
+            os.mkdir(path + parent)
+            os.chmod(path + parent, 0o755)  # mkdir's mode is the umask's to cut
+        for point in (*points, *view.dirs):  # a mount hides its point's mode
+            os.mkdir(path + point)
+        for d in view.dirs:
+            _bind_read_only(d, path + d)
+        new_dev(os.path.join(path, "dev"))
+        _mount(b"none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, "")
+    except OSError:
+        _unmount(path)  # with all under it: not left half made for the next sandbox to take
+        raise
+
+
+MOUNT_FLAGS = {b"noexec": MS_NOEXEC, b"noatime": 1 << 10, b"nodiratime": 1 << 11, b"relatime": 1 << 21}
+
+
+def _bind_read_only(source: str, path: str) -> None:
+    """Bind `source` at `path` with every mount under it, each made read-only, nosuid and nodev and
+    keeping its other flags (a remount would clear them), as bubblewrap's --ro-bind does."""
+    _mount(source.encode(), path, None, MS_BIND | MS_REC, "")
+    for point, options in _mounts_under(path):
+        kept = sum(flag for name, flag in MOUNT_FLAGS.items() if name in options)
+        _mount(b"none", point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept, "")
+
+
+def _mounts_under(path: str) -> list[tuple[str, list[bytes]]]:
+    """(mount point, its own options) of `path` and of each mount under it."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_bytes().splitlines():
+        fields = line.split()
+        point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])  # \040 is a space
+        if point == os.fsencode(path) or point.startswith(os.fsencode(path) + b"/"):
+            found.append((os.fsdecode(point), fields[5].split(b",")))
+    return found
 
 
 def loop_uid(uid: int) -> int:
