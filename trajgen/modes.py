@@ -2,7 +2,7 @@
 models, the viewer, or one run. It sits above run.py and several_models.py, which runs run.py's runs."""
 from __future__ import annotations
 
-from trajgen import help_text, run, tool_check
+from trajgen import fork_server, help_text, tool_check
 from trajgen.options import RunOptions
 from trajgen.tools import mcp_config
 
@@ -20,6 +20,7 @@ def main(opts: RunOptions) -> int:
         from trajgen import compress
         return compress.run(opts)
     if opts.export:
+        from trajgen import run
         return run.run_export(opts)
     if opts.rescore:
         from trajgen import rescore
@@ -33,4 +34,7 @@ def main(opts: RunOptions) -> int:
     if opts.view or opts.report:
         from trajgen.viewer import command as viewer  # the viewer's modules only when asked for
         return viewer.run(opts)
+    if opts.executor == "processes" and not opts.dry_run:  # its imports overlap the run's, imported below
+        fork_server.start()
+    from trajgen import run
     return run.single(opts).status

@@ -13,9 +13,9 @@ import multiprocessing as mp
 import os
 import signal
 from dataclasses import dataclass, field
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection, wait
 
+from trajgen import fork_server
 from trajgen.errors import WorkerCrashed
 from trajgen.messages import STOP_SIGNALS, Cancel, Cancelled, Event, Finished, Stop, Submit, without_landed_replies
 from trajgen.outcome import decide
@@ -46,19 +46,6 @@ class _Outbox:
                 pass
 
 
-def _start_fork_server() -> None:
-    """Start the workers' fork server unless it runs, with the stop signals blocked, which it keeps
-    and its workers inherit until they have their handlers: a signal to the process group is the
-    parent's to act on. No signal to this process is lost: it is delivered once the mask is back."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        resource_tracker.ensure_running()  # unblocks SIGINT and SIGTERM on its way out: block them again
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def _wait_for_the_parent(signum, frame) -> None:
     """Ctrl-C and a SIGTERM or SIGHUP to the process group are the parent's to act on: it cancels
     this worker's prompts. A handler, not SIG_IGN: the sandboxes' processes start with the default."""
@@ -67,7 +54,7 @@ def _wait_for_the_parent(signum, frame) -> None:
 def _worker_main(conn: Connection, config: WorkerConfig, environ: dict[str, str]) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, _wait_for_the_parent)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (_start_fork_server)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the fork (fork_server.start)
     os.environ.clear()  # the fork server's environment is its start's; a library user may have changed it since
     os.environ.update(environ)
     prepare_worker(config.sandbox)
@@ -90,17 +77,16 @@ class ProcessPool:
     def __init__(self, num_workers: int, config: WorkerConfig):
         self.num_workers = num_workers
         self.config = config
-        self.ctx = mp.get_context("forkserver")  # imports the workers' modules once; each worker forks ready
-        self.ctx.set_forkserver_preload(["__main__", "trajgen.process_pool", "trajgen.worker"])
         self.workers: list[_Handle] = []
 
     def start(self) -> None:
         self.workers = [self._spawn() for _ in range(self.num_workers)]
 
     def _spawn(self) -> _Handle:
-        parent_end, child_end = self.ctx.Pipe()
-        process = self.ctx.Process(target=_worker_main, args=(child_end, self.config, dict(os.environ)), daemon=True)
-        _start_fork_server()
+        parent_end, child_end = fork_server.CONTEXT.Pipe()
+        process = fork_server.CONTEXT.Process(target=_worker_main, args=(child_end, self.config, dict(os.environ)),
+                                              daemon=True)
+        fork_server.start()
         process.start()
         child_end.close()
         return _Handle(process, parent_end)
