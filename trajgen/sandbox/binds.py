@@ -27,8 +27,12 @@ def parents_to_pass(path: str, skip: tuple[str, ...] = SYSTEM_DIRS) -> list[str]
 
 
 def passable_parents(path: str, skip: tuple[str, ...] = SYSTEM_DIRS) -> list[str]:
-    """bwrap options making each parent of `path` but those under `skip` a passable dir (0755)."""
-    return [a for parent in parents_to_pass(path, skip) for a in ("--perms", "0755", "--dir", parent)]
+    """bwrap options making each parent of `path` but those under `skip` a passable dir."""
+    return _passable(parents_to_pass(path, skip))
+
+
+def _passable(dirs: list[str] | tuple[str, ...]) -> list[str]:
+    return [a for d in dirs for a in ("--perms", "0755", "--dir", d)]
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,8 @@ class SystemView:
     parents: tuple[str, ...]  # made 0755, outermost first
 
     def bwrap_args(self) -> list[str]:
-        args = [a for path, target in self.links for a in ("--symlink", target, path)]
-        args += [a for parent in self.parents for a in ("--perms", "0755", "--dir", parent)]
-        return args + [a for d in self.dirs for a in ("--ro-bind", d, d)]
+        links = [a for path, target in self.links for a in ("--symlink", target, path)]
+        return [*links, *_passable(self.parents), *(a for d in self.dirs for a in ("--ro-bind", d, d))]
 
 
 @functools.cache

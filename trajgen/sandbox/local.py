@@ -7,9 +7,9 @@ filter (seccomp.py). Run as root, each sandbox has its own uid (roots.take_uid),
 memory and process limits (cgroups.py) that its bwrap is in before it starts anything (gate.py),
 a devpts instance with its share of the machine's PTYs (the three kept for the worker's next
 sandbox once its processes are gone: slots.py) on a read-only / and /dev its worker made once
-(process_view), and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable, out of its
-commands' reach (_identity). bubblewrap reads its options from a memfd, so the host path of the
-work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
+(process_view), and a work dir that is a tmpfs of a fixed size; its command loop is not dumpable,
+out of its commands' reach (_identity). bubblewrap reads its options from a memfd, so the host
+path of the work dir is not in any command line the sandbox can see. The sandbox starts at the prompt's first
 command and runs every command of the prompt through supervise.sh (supervisor.py), which gives
 each command what a fresh sandbox would: its own session, timeout and output cap, an empty /tmp,
 and nothing of it left running afterwards. When a PID namespace's first process dies the kernel
