@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 from trajgen.sandbox import SandboxError, cgroups, read_file, roots, shares, supervisor
 from trajgen.sandbox.backends import SandboxConfig, bwrap_problem, cleanup, open_sandbox, prepare_host
-from trajgen.sandbox.binds import SystemView, parents_to_pass
+from trajgen.sandbox.binds import SystemView, parents_to_pass, system_view
 from trajgen.sandbox.local import LocalSandbox, bwrap_system_binds
 from trajgen.sandbox.process import OUTPUT_CAP, kill_pids
 from trajgen.sandbox.roots import sweep_stale_roots
@@ -88,8 +90,9 @@ def test_the_sandbox_dev_is_bubblewraps_own_made_once_and_read_only(config):
         assert [p.name for p in Path(config.root_dir).glob("*.view")] == [f"{os.getpid()}.view"]
 
 
+SHOWN_DIRS = "|".join(re.escape(d) for d in system_view().dirs)  # the system dirs and the Python: their mounts' flags
 ROOT_LISTING = ("stat -c '%n %F %a %u %g %N' / /* | grep -v ^/workspace; "
-                "awk '{print $5, $6}' /proc/self/mountinfo | grep -E '^/(usr|etc|opt|root)'")
+                f"awk '{{print $5, $6}}' /proc/self/mountinfo | grep -E {shlex.quote(f'^({SHOWN_DIRS})[ /]')}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root runner's worker makes the sandboxes' / once")
@@ -612,7 +615,6 @@ def test_a_worker_waits_for_its_sandboxes_processes_without_a_thread_each(tmp_pa
     """Python 3.11's asyncio would start a thread per child process, one per sandbox started (prepare_worker)."""
     code = f"""
 import asyncio, threading
-from trajgen.sandbox.binds import SystemView, parents_to_pass
 from trajgen.sandbox.backends import SandboxConfig, prepare_worker
 prepare_worker(SandboxConfig(root_dir={str(tmp_path)!r}))
 async def main():

@@ -270,11 +270,11 @@ def _bind_read_only(source: str, path: str) -> None:
 
 def _mounts_under(path: str) -> list[tuple[str, list[bytes]]]:
     """(mount point, its own options) of `path` and of each mount under it."""
-    found = []
+    found, top = [], os.fsencode(path)
     for line in Path("/proc/self/mountinfo").read_bytes().splitlines():
         fields = line.split()
         point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])  # \040 is a space
-        if point == os.fsencode(path) or point.startswith(os.fsencode(path) + b"/"):
+        if point == top or point.startswith(top + b"/"):
             found.append((os.fsdecode(point), fields[5].split(b",")))
     return found
 
