@@ -9,13 +9,15 @@ program with no C library at all, and one `cpuid`, so a reader can see that shar
 
     python bench/process_start.py [--spawns=2000] [--rounds=3]
 
-Needs a C compiler (`cc`) for the libc-free program and the `cpuid` timer. Prints medians, ms of
-CPU a spawn: the children's (getrusage) and the whole machine's (/proc/stat).
+x86-64 only (`cpuid`, and the libc-free program's `exit` system call); needs a C compiler (`cc`)
+for that program and the `cpuid` timer. Prints medians, ms of CPU a spawn: the children's
+(getrusage) and the whole machine's (/proc/stat).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import resource
 import shutil
 import statistics
@@ -46,7 +48,11 @@ def build(tmp: str, name: str, source: str, *flags: str) -> str:
     path = os.path.join(tmp, name)
     with open(path + ".c", "w") as f:
         f.write(source)
-    subprocess.run(["cc", "-O2", *flags, "-o", path, path + ".c"], check=True)
+    built = subprocess.run(["cc", "-O2", *flags, "-o", path, path + ".c"], capture_output=True, text=True)
+    if built.returncode:
+        errors = [line for line in built.stderr.splitlines() if "error" in line]
+        said = errors[0] if errors else built.stderr.strip() or "no output"
+        sys.exit(f"process_start.py: cc could not build {name}: {said}")
     return path
 
 
@@ -66,6 +72,8 @@ def main() -> None:
     p.add_argument("--spawns", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
+    if platform.machine() != "x86_64":
+        sys.exit(f"process_start.py: measures x86-64's cpuid; this machine is {platform.machine()}")
     if not shutil.which("cc"):
         sys.exit("process_start.py: no C compiler (cc) to build the libc-free program")
     with tempfile.TemporaryDirectory(prefix="process-start-") as tmp:
